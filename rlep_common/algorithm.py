@@ -1,0 +1,200 @@
+"""RLEP's algorithm core: group advantages, DAPO's policy loss and overlong shaping (pure torch).
+
+Paper: RLEP, "Reinforcement Learning with Experience rePlay for LLM Reasoning" (arXiv 2507.07451).
+Every training question gets G fresh rollouts plus M replayed successes; advantages are normalised
+over the mixed group of G + M (eq. 1/5), and the policy is updated with DAPO's clipped objective
+(eq. 3/4): token-mean aggregation, asymmetric "clip-higher" range, dual-clip for negative advantages.
+
+Numerics follow verl (`compute_grpo_outcome_advantage`, `compute_policy_loss` with dual-clip, DAPO's
+overlong reward) so that results can be compared with the reference recipe. Departures:
+- `group_advantages` is vectorised (scatter over group ids) instead of verl's per-sample loop.
+- `policy_loss` accepts a `normalizer` so gradient accumulation over micro-batches reproduces the
+  gradient of the whole mini-batch exactly (verl divides each micro-batch by its own token count).
+- Sequences with an empty mask are left out of the `seq-mean-*` aggregations (verl yields NaN there).
+- `overlong_penalty` is clamped at `-penalty_factor` past `max_len`, as in the DAPO paper (eq. 13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlep_common.types import Group, Trajectory
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# verl clamps the log-ratio before exp() so one wildly off-policy token cannot overflow the ratio.
+LOG_RATIO_CLAMP = 20.0
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantage of each trajectory within its group (RLEP eq. 1/5).
+
+    A group is every trajectory sharing a `group_ids` value: fresh and replayed responses to one
+    question alike, so replayed successes raise the baseline the fresh ones are compared against.
+
+    Args:
+        rewards: `[N]` float, one scalar reward per trajectory.
+        group_ids: `[N]` long, group membership (any integer values, need not be contiguous).
+        eps: added to the standard deviation.
+
+    Returns:
+        `[N]` float: `(r - mean_g) / (std_g + eps)` with the unbiased std of the group; a group of
+        one uses mean 0 and std 1, as verl does. Groups whose rewards are all equal get 0.
+    """
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards and group_ids must be 1-D of one length, got {rewards.shape}, {group_ids.shape}")
+    if rewards.numel() == 0:
+        return rewards.clone()
+    rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
+    _, group_index = torch.unique(group_ids, return_inverse=True)  # [N] in 0..K-1
+    num_groups = int(group_index.max()) + 1
+    counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    counts.scatter_add_(0, group_index, torch.ones_like(rewards))
+    sums = torch.zeros_like(counts).scatter_add_(0, group_index, rewards)
+    means = sums / counts  # [K]
+    centred = rewards - means[group_index]
+    sq_sums = torch.zeros_like(counts).scatter_add_(0, group_index, centred * centred)
+    stds = torch.sqrt(sq_sums / (counts - 1).clamp(min=1))  # unbiased, like torch.std
+    singleton = counts[group_index] == 1
+    mean = torch.where(singleton, torch.zeros_like(rewards), means[group_index])
+    std = torch.where(singleton, torch.ones_like(rewards), stds[group_index])
+    return (rewards - mean) / (std + eps)
+
+
+def _masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+
+
+def _safe_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` where `mask` is set; 0 (not NaN) when nothing is set."""
+    return _masked_sum(values, mask) / mask.sum().clamp(min=1)
+
+
+def aggregate_loss(per_token: Tensor, loss_mask: Tensor, agg: LossAgg, normalizer: float | None = None) -> Tensor:
+    """Reduces a `[B, T]` per-token loss to a scalar.
+
+    - `token-mean`: sum over every unmasked token of the batch / number of such tokens (DAPO).
+    - `seq-mean-token-mean`: mean over sequences of each sequence's token mean (GRPO).
+    - `seq-mean-token-sum`: mean over sequences of each sequence's token sum (Dr. GRPO style).
+
+    `normalizer`, when given, replaces the denominator (the token count for `token-mean`, the number
+    of non-empty sequences otherwise). Pass the whole mini-batch's count to every micro-batch and
+    the accumulated gradient equals the gradient of the mini-batch in one piece.
+    """
+    mask = loss_mask.to(per_token.dtype)
+    if agg == "token-mean":
+        denom = mask.sum().clamp(min=1) if normalizer is None else normalizer
+        return _masked_sum(per_token, mask) / denom
+    tokens_per_seq = mask.sum(dim=-1)  # [B]
+    seq_sums = _masked_sum(per_token, mask, dim=-1)  # [B]
+    if agg == "seq-mean-token-mean":
+        seq_values = seq_sums / tokens_per_seq.clamp(min=1)
+    elif agg == "seq-mean-token-sum":
+        seq_values = seq_sums
+    else:
+        raise ValueError(f"agg must be one of {LOSS_AGGREGATIONS}, got {agg!r}")
+    non_empty = (tokens_per_seq > 0).to(per_token.dtype)
+    denom = non_empty.sum().clamp(min=1) if normalizer is None else normalizer
+    return (seq_values * non_empty).sum() / denom
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float = 10.0,
+    agg: LossAgg = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """DAPO's clipped policy-gradient loss with dual-clip (RLEP eq. 3/4, verl `compute_policy_loss`).
+
+    Args:
+        logprobs: `[B, T]` log-probabilities of the response tokens under the policy being trained.
+        old_logprobs: `[B, T]` the same under the policy before this update (no gradient).
+        advantages: `[B]` one advantage per sequence, broadcast over its tokens.
+        loss_mask: `[B, T]` 1 for response tokens that count, 0 for padding.
+        clip_low / clip_high: the ratio is clipped to `[1 - clip_low, 1 + clip_high]`.
+        clip_c: dual-clip bound; for negative advantages the loss is capped at `-A * clip_c`.
+        agg: how per-token losses are reduced (see `aggregate_loss`).
+        normalizer: denominator override for gradient accumulation (see `aggregate_loss`).
+
+    Returns:
+        `(loss, metrics)`: a scalar loss to minimise and floats `clip_frac` (tokens where the
+        ratio clip is active), `clip_frac_lower` (tokens where the dual clip is active),
+        `approx_kl` (mean of old - new logprob) and `ratio_mean`, all over unmasked tokens.
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
+        raise ValueError(
+            f"logprobs, old_logprobs, loss_mask must share a [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(loss_mask.shape)}"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B]={tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_c must be > 1 for dual-clip, got {clip_c}")
+    mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [B, T]
+
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    ppo_loss = torch.maximum(unclipped, clipped)  # pessimistic bound of PPO
+    dual_bound = -adv * clip_c
+    dual_loss = torch.minimum(dual_bound, ppo_loss)  # caps the loss of very large ratios when A < 0
+    per_token = torch.where(adv < 0, dual_loss, ppo_loss)
+
+    loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": _safe_mean((clipped > unclipped).to(mask.dtype), mask).item(),
+            "clip_frac_lower": _safe_mean(((ppo_loss > dual_bound) & (adv < 0)).to(mask.dtype), mask).item(),
+            "approx_kl": _safe_mean(-log_ratio, mask).item(),
+            "ratio_mean": _safe_mean(ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+def overlong_penalty(response_lengths: Tensor, max_len: int, buffer_len: int, penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment, added to the task reward.
+
+    Args:
+        response_lengths: `[N]` response lengths in tokens.
+        max_len: maximum response length (the generation limit).
+        buffer_len: width of the linear penalty zone ending at `max_len`.
+        penalty_factor: penalty reached at `max_len`.
+
+    Returns:
+        `[N]` float: 0 for lengths up to `max_len - buffer_len`, then falling linearly to
+        `-penalty_factor` at `max_len`, and `-penalty_factor` beyond it.
+    """
+    if not 0 <= buffer_len <= max_len:
+        raise ValueError(f"need 0 <= buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}")
+    if penalty_factor < 0:
+        raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
+    lengths = response_lengths.to(torch.float32)
+    expected = max_len - buffer_len
+    if buffer_len == 0:
+        return torch.where(lengths > max_len, -penalty_factor, 0.0).to(torch.float32)
+    excess = (lengths - expected) / buffer_len
+    return (-excess.clamp(min=0.0, max=1.0) * penalty_factor).to(torch.float32)
+
+
+def flatten_groups(groups: Sequence[Group]) -> tuple[list[Trajectory], Tensor, Tensor]:
+    """Flattens groups for `group_advantages`.
+
+    Returns:
+        `(trajectories, rewards [N] float32, group_ids [N] long)` in group order.
+    """
+    trajectories = [t for g in groups for t in g.trajectories]
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    return trajectories, rewards, group_ids

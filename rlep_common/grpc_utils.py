@@ -1,0 +1,159 @@
+"""gRPC plumbing shared by every service: server assembly, bearer-token auth, client channels, retries.
+
+Every server gets the same things: health checking (`grpc.health.v1`), reflection, an optional
+bearer token on every RPC, and a bound on message size. Health checks are exempt from auth
+because Kubernetes' gRPC probes cannot send headers; they reveal nothing but "SERVING".
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rlep_common.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+# Retrying helps only with errors that clear up on their own; a bad request stays bad.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# gRPC refuses messages beyond its own limit with RESOURCE_EXHAUSTED before our handler runs;
+# the channel limit sits above the service's limit so our INVALID_ARGUMENT message is what users see.
+CHANNEL_LIMIT_FACTOR = 2
+
+
+class BearerAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = deny
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        presented = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(presented, self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(self._deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self._deny(req, ctx))
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+def build_server(
+    config: ServerConfig, register: Callable[[grpc.Server], None], service_names: Iterable[str]
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Creates, binds and starts a server. Returns `(server, bound_port, health_servicer)`."""
+    token = config.read_auth_token()
+    interceptors = [BearerAuthInterceptor(token)] if token else []
+    limit = config.max_request_bytes * CHANNEL_LIMIT_FACTOR
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    server.start()
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def check_request_size(request: Any, context: grpc.ServicerContext, limit_bytes: int) -> None:
+    """Aborts with INVALID_ARGUMENT when a request exceeds the service's byte limit."""
+    size = request.ByteSize()
+    if size > limit_bytes:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request is {size} bytes, over the limit of {limit_bytes}; split it"
+        )
+
+
+class _BearerClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), self._header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: list[tuple[str, str]]):
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def make_channel(address: str, token: str | None = None, max_message_bytes: int = 256 * 1024 * 1024) -> grpc.Channel:
+    """An insecure channel (loopback / in-cluster) that sends the bearer token when given."""
+    channel = grpc.insecure_channel(
+        address,
+        options=[("grpc.max_receive_message_length", max_message_bytes),
+                 ("grpc.max_send_message_length", max_message_bytes)],
+    )
+    if token:
+        channel = grpc.intercept_channel(channel, _BearerClientInterceptor(token))
+    return channel
+
+
+ResponseT = TypeVar("ResponseT")
+
+
+def call_with_retry(
+    call: Callable[..., ResponseT], request: Any, timeout_s: float, attempts: int = 3, backoff_s: float = 0.2
+) -> ResponseT:
+    """Calls a unary RPC with a deadline, retrying only UNAVAILABLE and DEADLINE_EXCEEDED."""
+    for attempt in range(attempts):
+        try:
+            return call(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE_CODES or attempt == attempts - 1:
+                raise
+            delay = backoff_s * (2**attempt) * (1 + random.random())
+            log.warning("%s: %s, retrying in %.2fs", err.code().name, err.details(), delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

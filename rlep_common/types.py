@@ -1,0 +1,91 @@
+"""The data model every service shares: trajectories and the mixed groups the learner trains on.
+
+These dataclasses are the in-process twin of `rlep.common.v1.Trajectory` (see `rlep_common.wire`
+for the conversion). A trajectory is one response to one question; a group is all trajectories of
+one question in one training step, fresh and replayed together (RLEP's "mixed group").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Verdict(StrEnum):
+    """Outcome of checking a response against the gold answer (mirrors the proto enum)."""
+
+    CORRECT = "correct"
+    WRONG = "wrong"
+    UNPARSEABLE = "unparseable"
+    TIMEOUT = "timeout"
+    GOLD_UNPARSEABLE = "gold_unparseable"
+    ERROR = "error"
+
+
+class Source(StrEnum):
+    FRESH = "fresh"
+    REPLAY = "replay"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+def trajectory_id(question_id: str, response_text: str) -> str:
+    """Content hash that identifies a trajectory: the same answer to the same question is one item."""
+    digest = hashlib.sha256()
+    digest.update(question_id.encode("utf-8"))
+    digest.update(b"\0")
+    digest.update(response_text.encode("utf-8"))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled response. Token ids and `behavior_logprobs` share one length when both are set."""
+
+    question_id: str
+    response_text: str
+    reward: float
+    source: Source = Source.FRESH
+    verdict: Verdict | None = None
+    policy_version: int = 0
+    finish_reason: FinishReason = FinishReason.STOP
+    prompt_token_ids: tuple[int, ...] = ()
+    response_token_ids: tuple[int, ...] = ()
+    behavior_logprobs: tuple[float, ...] = ()
+    prompt_text: str = ""
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.question_id:
+            raise ValueError("question_id must be non-empty")
+        if self.behavior_logprobs and len(self.behavior_logprobs) != len(self.response_token_ids):
+            raise ValueError(
+                f"behavior_logprobs ({len(self.behavior_logprobs)}) and response_token_ids "
+                f"({len(self.response_token_ids)}) must have the same length"
+            )
+
+    @property
+    def id(self) -> str:
+        return trajectory_id(self.question_id, self.response_text)
+
+    @property
+    def is_success(self) -> bool:
+        return self.verdict == Verdict.CORRECT
+
+
+@dataclass
+class Group:
+    """All trajectories of one question in one step: G fresh plus M replayed ones."""
+
+    question_id: str
+    ground_truth: str
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    @property
+    def num_replayed(self) -> int:
+        return sum(t.source == Source.REPLAY for t in self.trajectories)

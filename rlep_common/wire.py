@@ -1,0 +1,59 @@
+"""Conversion between the shared dataclasses (`rlep_common.types`) and `rlep.common.v1` messages."""
+
+from __future__ import annotations
+
+from rlep.common.v1 import trajectory_pb2 as pb
+from rlep_common.types import FinishReason, Source, Trajectory, Verdict
+
+VERDICT_TO_PROTO: dict[Verdict, int] = {
+    Verdict.CORRECT: pb.CORRECT,
+    Verdict.WRONG: pb.WRONG,
+    Verdict.UNPARSEABLE: pb.UNPARSEABLE,
+    Verdict.TIMEOUT: pb.TIMEOUT,
+    Verdict.GOLD_UNPARSEABLE: pb.GOLD_UNPARSEABLE,
+    Verdict.ERROR: pb.ERROR,
+}
+VERDICT_FROM_PROTO: dict[int, Verdict] = {v: k for k, v in VERDICT_TO_PROTO.items()}
+SOURCE_TO_PROTO: dict[Source, int] = {Source.FRESH: pb.FRESH, Source.REPLAY: pb.REPLAY}
+SOURCE_FROM_PROTO: dict[int, Source] = {v: k for k, v in SOURCE_TO_PROTO.items()}
+FINISH_TO_PROTO: dict[FinishReason, int] = {
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.ABORT: pb.ABORT,
+}
+FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
+    return pb.Trajectory(
+        question_id=t.question_id,
+        prompt_token_ids=t.prompt_token_ids,
+        response_token_ids=t.response_token_ids,
+        response_text=t.response_text,
+        reward=t.reward,
+        verdict=VERDICT_TO_PROTO[t.verdict] if t.verdict is not None else pb.VERDICT_UNSPECIFIED,
+        source=SOURCE_TO_PROTO[t.source],
+        policy_version=t.policy_version,
+        finish_reason=FINISH_TO_PROTO[t.finish_reason],
+        behavior_logprobs=t.behavior_logprobs,
+        run_id=t.run_id,
+        prompt_text=t.prompt_text,
+    )
+
+
+def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
+    """Raises ValueError on a message that does not describe a valid trajectory."""
+    return Trajectory(
+        question_id=m.question_id,
+        response_text=m.response_text,
+        reward=m.reward,
+        source=SOURCE_FROM_PROTO.get(m.source, Source.FRESH),
+        verdict=VERDICT_FROM_PROTO.get(m.verdict),
+        policy_version=m.policy_version,
+        finish_reason=FINISH_FROM_PROTO.get(m.finish_reason, FinishReason.STOP),
+        prompt_token_ids=tuple(m.prompt_token_ids),
+        response_token_ids=tuple(m.response_token_ids),
+        behavior_logprobs=tuple(m.behavior_logprobs),
+        prompt_text=m.prompt_text,
+        run_id=m.run_id,
+    )

@@ -1,0 +1,42 @@
+"""Configuration of the verifier service."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, model_validator
+
+from rlep_common.config import ServerConfig, StrictModel
+
+DEFAULT_PORT = 50061
+
+
+class VerifierConfig(StrictModel):
+    server: ServerConfig = ServerConfig(port=DEFAULT_PORT)
+    """Where the gRPC server listens."""
+    num_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=256)
+    """Worker processes running math-verify (CPU-bound: one per core)."""
+    item_timeout_s: float = Field(5.0, gt=0, le=3600)
+    """Hard limit for checking one response; past it the worker is killed and replaced (TIMEOUT)."""
+    parse_timeout_s: int = Field(1, ge=1, le=600)
+    """math-verify's own per-parse timeout (whole seconds); keep it well under item_timeout_s."""
+    max_answer_chars: int = Field(512, ge=1)
+    """Extracted answers longer than this are UNPARSEABLE without being parsed."""
+    max_items_per_request: int = Field(8192, ge=1)
+    """Larger batches get INVALID_ARGUMENT (the client splits big batches for you)."""
+    worker_memory_mb: int = Field(4096, ge=0)
+    """Address-space limit per worker in MiB (0 = unlimited); runaway inputs get ERROR, not an OOM."""
+    reward_correct: float = 1.0
+    """Reward of a CORRECT verdict."""
+    reward_wrong: float = -1.0
+    """Reward of every other verdict (DAPO's verl recipe uses -1)."""
+
+    @model_validator(mode="after")
+    def _timeouts_nest(self) -> VerifierConfig:
+        # One check runs up to three math-verify steps (gold parse, answer parse, compare).
+        if 3 * self.parse_timeout_s >= self.item_timeout_s:
+            raise ValueError(
+                f"item_timeout_s ({self.item_timeout_s}) must exceed 3 x parse_timeout_s ({self.parse_timeout_s}) "
+                "so math-verify's own timeouts fire before the worker is killed"
+            )
+        return self

@@ -1,0 +1,77 @@
+"""Verifier entry point: config -> worker pool -> gRPC server (+ /metrics)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from rlep.verifier.v1 import verifier_pb2_grpc
+from rlep_common.grpc_utils import build_server
+from rlep_common.metrics import MetricsServer
+from services.verifier.config import VerifierConfig
+from services.verifier.core import CheckOptions
+from services.verifier.pool import VerifyPool
+from services.verifier.server import SERVICE_NAME, VerifierMetrics, VerifierServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningVerifier:
+    """A started verifier; `stop()` shuts the server, the metrics endpoint and the workers down."""
+
+    server: grpc.Server
+    port: int
+    pool: VerifyPool
+    metrics_server: MetricsServer | None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server else None
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.server.stop(grace_s).wait()
+        if self.metrics_server:
+            self.metrics_server.stop()
+        self.pool.close()
+
+
+def start_verifier(config: VerifierConfig) -> RunningVerifier:
+    registry = CollectorRegistry()
+    metrics = VerifierMetrics(registry)
+    pool = VerifyPool(
+        num_workers=config.num_workers,
+        item_timeout_s=config.item_timeout_s,
+        options=CheckOptions(max_answer_chars=config.max_answer_chars, parse_timeout_s=config.parse_timeout_s),
+        memory_limit_mb=config.worker_memory_mb,
+        on_restart=lambda reason: metrics.worker_restarts.labels(reason).inc(),
+    )
+    metrics.workers.set(config.num_workers)
+    servicer = VerifierServicer(pool, config, metrics)
+    server, port, _ = build_server(
+        config.server, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    metrics_server = None
+    if config.server.metrics_port is not None:
+        metrics_server = MetricsServer(
+            registry, config.server.host, config.server.metrics_port, config.server.read_auth_token()
+        )
+    return RunningVerifier(server, port, pool, metrics_server)
+
+
+def serve_forever(config: VerifierConfig) -> None:
+    """Runs until SIGINT/SIGTERM."""
+    running = start_verifier(config)
+    log.info("verifier listening on %s:%d (metrics port %s)", config.server.host, running.port, running.metrics_port)
+    print(f"verifier listening on {config.server.host}:{running.port}"
+          f" metrics={running.metrics_port} workers={config.num_workers}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    running.stop()

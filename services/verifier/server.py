@@ -1,0 +1,91 @@
+"""gRPC adapter of the verifier: proto <-> `VerifyPool`, limits, metrics. No verification logic here."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlep_common.grpc_utils import check_request_size
+from rlep_common.types import Verdict
+from rlep_common.wire import VERDICT_TO_PROTO
+from services.verifier.config import VerifierConfig
+from services.verifier.core import reward_of
+from services.verifier.pool import VerifyPool
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierMetrics:
+    """The verifier's Prometheus series (`rlep_verifier_*`)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.items = Counter("rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], registry=registry)
+        for verdict in Verdict:
+            self.items.labels(verdict.value)
+        self.requests = Counter("rlep_verifier_requests_total", "Verify calls, by status code", ["code"],
+                                registry=registry)
+        self.request_seconds = Histogram(
+            "rlep_verifier_request_seconds", "Latency of a Verify call", registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.item_seconds = Histogram(
+            "rlep_verifier_item_seconds", "Worker time spent on one response", registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.worker_restarts = Counter(
+            "rlep_verifier_worker_restarts_total", "Workers killed and replaced, by reason", ["reason"],
+            registry=registry,
+        )
+        for reason in ("timeout", "crash"):
+            self.worker_restarts.labels(reason)
+        self.items_in_flight = Gauge("rlep_verifier_items_in_flight", "Items submitted and not yet answered",
+                                     registry=registry)
+        self.workers = Gauge("rlep_verifier_workers", "Worker processes in the pool", registry=registry)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, pool: VerifyPool, config: VerifierConfig, metrics: VerifierMetrics):
+        self._pool, self._config, self._metrics = pool, config, metrics
+
+    def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return self._verify(request, context)
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            self._metrics.requests.labels(code.name).inc()
+            self._metrics.request_seconds.observe(time.perf_counter() - started)
+
+    def _verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
+        check_request_size(request, context, self._config.server.max_request_bytes)
+        count = len(request.items)
+        if count > self._config.max_items_per_request:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{count} items in one request, over the limit of {self._config.max_items_per_request}; split it",
+            )
+        items = [(item.response, item.ground_truth) for item in request.items]
+        self._metrics.items_in_flight.inc(count)
+        try:
+            results = self._pool.verify(items, timeout_s=context.time_remaining())
+        except TimeoutError as err:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+        finally:
+            self._metrics.items_in_flight.dec(count)
+        out = verifier_pb2.VerifyResponse()
+        for result in results:
+            self._metrics.items.labels(result.verdict.value).inc()
+            self._metrics.item_seconds.observe(result.seconds)
+            out.results.add(
+                reward=reward_of(result.verdict, self._config.reward_correct, self._config.reward_wrong),
+                verdict=VERDICT_TO_PROTO[result.verdict],
+                extracted_answer=result.extracted_answer,
+                seconds=result.seconds,
+            )
+        return out
