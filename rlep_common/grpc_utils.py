@@ -16,6 +16,9 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -59,6 +62,53 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self._deny(req, ctx))
         return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
+    """Registers `servicer`'s methods for `service`, parsing requests inside the handler.
+
+    The generated `add_*Servicer_to_server` lets gRPC deserialize requests, and a malformed message
+    (e.g. invalid UTF-8 in a string field) then surfaces as INTERNAL. Parsing here turns it into
+    INVALID_ARGUMENT with protobuf's reason, as for any other bad input.
+    """
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behaviour = getattr(servicer, method.name)
+        if method.client_streaming:
+            wrapped = _parse_stream(behaviour, request_cls)
+        else:
+            wrapped = _parse_unary(behaviour, request_cls)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(wrapped, response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _parse_or_abort(request_cls: type, data: bytes, context: grpc.ServicerContext) -> Any:
+    try:
+        return request_cls.FromString(data)
+    except DecodeError as err:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_cls.DESCRIPTOR.full_name}: {err}")
+
+
+def _parse_unary(behaviour: Callable, request_cls: type) -> Callable:
+    def handler(data: bytes, context: grpc.ServicerContext) -> Any:
+        return behaviour(_parse_or_abort(request_cls, data, context), context)
+
+    return handler
+
+
+def _parse_stream(behaviour: Callable, request_cls: type) -> Callable:
+    def handler(chunks: Iterable[bytes], context: grpc.ServicerContext) -> Any:
+        return behaviour((_parse_or_abort(request_cls, c, context) for c in chunks), context)
+
+    return handler
 
 
 def build_server(

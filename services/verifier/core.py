@@ -24,7 +24,8 @@ from rlep_common.types import Verdict
 
 BOXED_MARKERS = ("\\boxed", "\\fbox")
 # DAPO-Math asks for a last line "Answer: $Answer"; verl's math_dapo reads it the same way.
-ANSWER_LINE = re.compile(r"(?im)^[ \t*]*answer\s*:[ \t]*(\S[^\n]*)$")
+# Markdown emphasis around it ("**Answer:** 9") is common in chat models' output and tolerated.
+ANSWER_LINE = re.compile(r"(?im)^[ \t*#]*answer[ \t*]*:[ \t*]*(\S[^\n]*)$")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def extract_answer(response: str) -> str | None:
     matches = ANSWER_LINE.findall(response)
     if not matches:
         return None
-    answer = matches[-1].strip()
+    answer = matches[-1].strip().rstrip("*").strip()
     if len(answer) >= 2 and answer[0] == "$" and answer[-1] == "$":
         answer = answer.strip("$").strip()
     return answer or None
@@ -89,12 +90,16 @@ def extract_answer(response: str) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(ground_truth: str, timeout_s: int) -> tuple:
-    """Parses a gold answer; cached because every one of a question's G responses shares it."""
+    """Parses a gold answer; cached because every one of a question's G responses shares it.
+
+    math-verify falls back to the raw string when it cannot build an expression; a gold answer
+    with no expression at all (e.g. "???") cannot be judged, so it comes back empty.
+    """
     from math_verify import parse
 
-    for candidate in (f"${ground_truth}$", f"\\boxed{{{ground_truth}}}", ground_truth):
+    for candidate in (f"${ground_truth}$", f"\\boxed{{{ground_truth}}}"):
         parsed = parse(candidate, parsing_timeout=timeout_s)
-        if parsed:
+        if any(not isinstance(p, str) for p in parsed):
             return tuple(parsed)
     return ()
 

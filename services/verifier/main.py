@@ -10,13 +10,12 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.verifier.v1 import verifier_pb2_grpc
-from rlep_common.grpc_utils import build_server
+from rlep_common.grpc_utils import add_validated_servicer, build_server
 from rlep_common.metrics import MetricsServer
 from services.verifier.config import VerifierConfig
 from services.verifier.core import CheckOptions
 from services.verifier.pool import VerifyPool
-from services.verifier.server import SERVICE_NAME, VerifierMetrics, VerifierServicer
+from services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
     metrics.workers.set(config.num_workers)
     servicer = VerifierServicer(pool, config, metrics)
     server, port, _ = build_server(
-        config.server, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE_NAME]
+        config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
     )
     metrics_server = None
     if config.server.metrics_port is not None:

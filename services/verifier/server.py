@@ -15,7 +15,7 @@ from services.verifier.config import VerifierConfig
 from services.verifier.core import reward_of
 from services.verifier.pool import VerifyPool
 
-SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
 
 
 class VerifierMetrics:

@@ -1,0 +1,53 @@
+"""Answer extraction (pure string logic) and single checks on the main thread."""
+
+import pickle
+
+import pytest
+
+from rlep_common.types import Verdict
+from services.verifier.core import CheckOptions, check_answer, extract_answer
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("so \\boxed{42}.", "42"),
+        ("first \\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\left\\{1, 2\\right\\}}", "\\left\\{1, 2\\right\\}"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5$.", "5"),
+        ("work...\nAnswer: 12\n", "12"),
+        ("Answer: 1\nmore thought\nanswer: $\\frac{3}{4}$", "\\frac{3}{4}"),
+        ("**Answer:** 9", "9"),
+        ("\\boxed{12", None),
+        ("no answer at all", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(response, expected):
+    assert extract_answer(response) == expected
+
+
+def test_deeply_nested_braces_extract_without_recursion():
+    inner = "{" * 50_000 + "x" + "}" * 50_000
+    assert extract_answer(f"\\boxed{{{inner}}}") == inner
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "verdict"),
+    [
+        ("\\boxed{\\frac{2}{4}}", "0.5", Verdict.CORRECT),
+        ("\\boxed{3}", "4", Verdict.WRONG),
+        ("nothing", "4", Verdict.UNPARSEABLE),
+        ("\\boxed{" + "1" * 600 + "}", "1", Verdict.UNPARSEABLE),
+        ("\\boxed{3}", "", Verdict.GOLD_UNPARSEABLE),
+    ],
+)
+def test_check_answer(response, gold, verdict):
+    assert check_answer(response, gold, CheckOptions(max_answer_chars=512)).verdict == verdict
+
+
+def test_check_function_and_options_are_picklable():
+    """Workers are spawned processes: what they are sent must pickle."""
+    assert pickle.loads(pickle.dumps(check_answer)) is check_answer
+    assert pickle.loads(pickle.dumps(CheckOptions(parse_timeout_s=2))).parse_timeout_s == 2
