@@ -14,8 +14,9 @@ from typing import Annotated, Any
 
 import typer
 
-app = typer.Typer(help="RLEP: RL post-training of LLMs with experience replay.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="RLEP: RL post-training of LLMs with experience replay.", no_args_is_help=True, pretty_exceptions_enable=False
+)
 serve_app = typer.Typer(help="Run one service: rlep serve <service> --host 127.0.0.1 --port N.", no_args_is_help=True)
 proto_app = typer.Typer(help="Generate or check the gRPC stubs under proto/.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
@@ -32,8 +33,9 @@ def _load(ref: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.", exists=True,
-                                                dir_okay=False)]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config file.", exists=True, dir_okay=False)
+]
 HostOpt = Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")]
 PortOpt = Annotated[int | None, typer.Option(help="gRPC port (0 = any free port).")]
 TokenOpt = Annotated[Path | None, typer.Option("--auth-token-file", help="Require this bearer token on every RPC.")]
@@ -42,20 +44,39 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any fi
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as JSON and exit.")]
 
 
-def _resolve(service: str, config: Path | None, host: str | None, port: int | None, token: Path | None,
-             metrics_port: int | None, sets: list[str] | None) -> Any:
+def _resolve(
+    service: str,
+    config: Path | None,
+    host: str | None,
+    port: int | None,
+    token: Path | None,
+    metrics_port: int | None,
+    sets: list[str] | None,
+) -> Any:
     from rlep_common.config import load_config, parse_override
 
     overrides = dict(parse_override(s) for s in sets or [])
-    flags = {"server.host": host, "server.port": port, "server.auth_token_file": token,
-             "server.metrics_port": metrics_port}
+    flags = {
+        "server.host": host,
+        "server.port": port,
+        "server.auth_token_file": token,
+        "server.metrics_port": metrics_port,
+    }
     overrides.update({k: (str(v) if isinstance(v, Path) else v) for k, v in flags.items() if v is not None})
     config_cls = _load(SERVICES[service][0])
     return load_config(config_cls, config, overrides, env_prefix=service)
 
 
-def _serve(service: str, config: Path | None, host: str | None, port: int | None, token: Path | None,
-           metrics_port: int | None, sets: list[str] | None, dry_run: bool) -> None:
+def _serve(
+    service: str,
+    config: Path | None,
+    host: str | None,
+    port: int | None,
+    token: Path | None,
+    metrics_port: int | None,
+    sets: list[str] | None,
+    dry_run: bool,
+) -> None:
     try:
         resolved = _resolve(service, config, host, port, token, metrics_port, sets)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
@@ -68,8 +89,15 @@ def _serve(service: str, config: Path | None, host: str | None, port: int | None
 
 
 @serve_app.command("verifier")
-def serve_verifier(config: ConfigOpt = None, host: HostOpt = None, port: PortOpt = None, auth_token_file: TokenOpt = None,
-                   metrics_port: MetricsOpt = None, set_: SetOpt = None, dry_run: DryRunOpt = False) -> None:
+def serve_verifier(
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    auth_token_file: TokenOpt = None,
+    metrics_port: MetricsOpt = None,
+    set_: SetOpt = None,
+    dry_run: DryRunOpt = False,
+) -> None:
     """math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts."""
     _serve("verifier", config, host, port, auth_token_file, metrics_port, set_, dry_run)
 

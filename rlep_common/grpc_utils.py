@@ -146,8 +146,12 @@ def check_request_size(request: Any, context: grpc.ServicerContext, limit_bytes:
         )
 
 
-class _BearerClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _BearerClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str):
         self._header = ("authorization", f"Bearer {token}")
 
@@ -182,8 +186,10 @@ def make_channel(address: str, token: str | None = None, max_message_bytes: int 
     """An insecure channel (loopback / in-cluster) that sends the bearer token when given."""
     channel = grpc.insecure_channel(
         address,
-        options=[("grpc.max_receive_message_length", max_message_bytes),
-                 ("grpc.max_send_message_length", max_message_bytes)],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
     )
     if token:
         channel = grpc.intercept_channel(channel, _BearerClientInterceptor(token))

@@ -23,8 +23,15 @@ def generate(out_root: Path, root: Path = PROTO_ROOT) -> list[Path]:
     from grpc_tools import protoc
 
     files = proto_files(root)
-    args = ["protoc", f"-I{root}", f"-I{_well_known_protos()}", f"--python_out={out_root}",
-            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *map(str, files)]
+    args = [
+        "protoc",
+        f"-I{root}",
+        f"-I{_well_known_protos()}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *map(str, files),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     return [out_root / f.with_name(f.stem + suffix) for f in files for suffix in STUB_SUFFIXES]
@@ -46,4 +53,3 @@ def stale_stubs(root: Path = PROTO_ROOT) -> list[str]:
             if not committed.exists() or not filecmp.cmp(path, committed, shallow=False):
                 stale.append(str(committed.relative_to(root)))
         return stale
-

@@ -27,8 +27,13 @@ class VerifyOutcome:
 class VerifierClient:
     """`VerifierClient("127.0.0.1:50061").verify([(response, ground_truth), ...])`."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 chunk_items: int = DEFAULT_CHUNK_ITEMS):
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        chunk_items: int = DEFAULT_CHUNK_ITEMS,
+    ):
         self._channel = make_channel(address, token)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._timeout_s = timeout_s

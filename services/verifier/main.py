@@ -67,8 +67,11 @@ def serve_forever(config: VerifierConfig) -> None:
     """Runs until SIGINT/SIGTERM."""
     running = start_verifier(config)
     log.info("verifier listening on %s:%d (metrics port %s)", config.server.host, running.port, running.metrics_port)
-    print(f"verifier listening on {config.server.host}:{running.port}"
-          f" metrics={running.metrics_port} workers={config.num_workers}", flush=True)
+    print(
+        f"verifier listening on {config.server.host}:{running.port}"
+        f" metrics={running.metrics_port} workers={config.num_workers}",
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

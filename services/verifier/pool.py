@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
 WORKER_START_TIMEOUT_S = 60.0
 _READY = "ready"
+# Items sent to a worker per round trip: fewer wake-ups and pipe writes for cheap items, while a
+# hung item still costs only itself (the rest of its chunk is re-sent to the replacement worker).
+CHUNK_ITEMS = 8
 
 
 def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int) -> None:
@@ -45,14 +48,15 @@ def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int) 
     conn.send(_READY)
     while True:
         try:
-            response, ground_truth = conn.recv()
+            chunk = conn.recv()  # a list of (response, ground_truth)
         except (EOFError, OSError):
             return
-        try:
-            result = check_answer(response, ground_truth, options)
-        except BaseException:  # MemoryError & co: the item failed, the worker lives on
-            result = CheckResult(Verdict.ERROR, "")
-        conn.send(result)
+        for response, ground_truth in chunk:
+            try:
+                result = check_answer(response, ground_truth, options)
+            except BaseException:  # MemoryError & co: the item failed, the worker lives on
+                result = CheckResult(Verdict.ERROR, "")
+            conn.send(result)  # one reply per item, so the parent times each item on its own
 
 
 class _Worker:
@@ -83,16 +87,22 @@ class _Worker:
         self.process.join(timeout=5)
         self.conn.close()
 
-    def check(self, response: str, ground_truth: str, timeout_s: float) -> tuple[CheckResult, str | None]:
-        """Returns `(result, restart_reason)`; restart_reason is None when the worker is healthy."""
-        started = time.perf_counter()
+    def check(self, items: Sequence[tuple[str, str]], timeout_s: float) -> tuple[list[CheckResult], str | None]:
+        """Checks `items` in order, allowing `timeout_s` for each.
+
+        Returns the results of the items answered before the worker stopped (all of them when it
+        stays healthy) and a restart reason, "timeout" or "crash", when it stopped at the next one.
+        """
+        results: list[CheckResult] = []
         try:
-            self.conn.send((response, ground_truth))
-            if not self.conn.poll(timeout_s):
-                return CheckResult(Verdict.TIMEOUT, "", time.perf_counter() - started), "timeout"
-            return self.conn.recv(), None
+            self.conn.send(list(items))
+            for _ in items:
+                if not self.conn.poll(timeout_s):
+                    return results, "timeout"
+                results.append(self.conn.recv())
         except (EOFError, OSError):
-            return CheckResult(Verdict.ERROR, "", time.perf_counter() - started), "crash"
+            return results, "crash"
+        return results, None
 
 
 _Task = tuple[str, str, Future]
@@ -136,20 +146,44 @@ class VerifyPool:
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
 
+    def _take_tasks(self) -> list[_Task] | None:
+        """Blocks for one task, then takes up to CHUNK_ITEMS - 1 more that are already queued."""
+        first = self._tasks.get()
+        if first is None:
+            return None
+        tasks = [first]
+        while len(tasks) < CHUNK_ITEMS:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is None:  # another dispatcher's stop signal: hand it on
+                self._tasks.put(None)
+                break
+            tasks.append(task)
+        return tasks
+
     def _dispatch(self, worker: _Worker) -> None:
-        while (task := self._tasks.get()) is not None:
-            response, ground_truth, future = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            if not worker.process.is_alive():  # died while idle: not this item's fault
-                self._replace(worker, "crash")
-            result, restart_reason = worker.check(response, ground_truth, self.item_timeout_s)
-            if restart_reason == "crash":  # one retry on a fresh worker: a crash may be the host's doing
-                self._replace(worker, restart_reason)
-                result, restart_reason = worker.check(response, ground_truth, self.item_timeout_s)
-            future.set_result(result)
-            if restart_reason is not None:
-                self._replace(worker, restart_reason)
+        while (tasks := self._take_tasks()) is not None:
+            pending = [t for t in tasks if t[2].set_running_or_notify_cancel()]
+            retried = False
+            while pending:
+                if not worker.process.is_alive():  # died while idle: not the next item's fault
+                    self._replace(worker, "crash")
+                results, reason = worker.check([(r, g) for r, g, _ in pending], self.item_timeout_s)
+                for (_, _, future), result in zip(pending, results, strict=False):
+                    future.set_result(result)
+                pending = pending[len(results) :]
+                if reason is None:
+                    break
+                self._replace(worker, reason)
+                # A timeout is the item's doing; a crash may be the host's, so it gets one retry.
+                if reason == "timeout" or retried:
+                    verdict = Verdict.TIMEOUT if reason == "timeout" else Verdict.ERROR
+                    pending.pop(0)[2].set_result(CheckResult(verdict, "", self.item_timeout_s))
+                    retried = False
+                else:
+                    retried = True
         worker.kill()
 
     def _replace(self, worker: _Worker, reason: str) -> None:

@@ -22,27 +22,37 @@ class VerifierMetrics:
     """The verifier's Prometheus series (`rlep_verifier_*`)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.items = Counter("rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], registry=registry)
+        self.items = Counter(
+            "rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], registry=registry
+        )
         for verdict in Verdict:
             self.items.labels(verdict.value)
-        self.requests = Counter("rlep_verifier_requests_total", "Verify calls, by status code", ["code"],
-                                registry=registry)
+        self.requests = Counter(
+            "rlep_verifier_requests_total", "Verify calls, by status code", ["code"], registry=registry
+        )
         self.request_seconds = Histogram(
-            "rlep_verifier_request_seconds", "Latency of a Verify call", registry=registry,
+            "rlep_verifier_request_seconds",
+            "Latency of a Verify call",
+            registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
         self.item_seconds = Histogram(
-            "rlep_verifier_item_seconds", "Worker time spent on one response", registry=registry,
+            "rlep_verifier_item_seconds",
+            "Worker time spent on one response",
+            registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.worker_restarts = Counter(
-            "rlep_verifier_worker_restarts_total", "Workers killed and replaced, by reason", ["reason"],
+            "rlep_verifier_worker_restarts_total",
+            "Workers killed and replaced, by reason",
+            ["reason"],
             registry=registry,
         )
         for reason in ("timeout", "crash"):
             self.worker_restarts.labels(reason)
-        self.items_in_flight = Gauge("rlep_verifier_items_in_flight", "Items submitted and not yet answered",
-                                     registry=registry)
+        self.items_in_flight = Gauge(
+            "rlep_verifier_items_in_flight", "Items submitted and not yet answered", registry=registry
+        )
         self.workers = Gauge("rlep_verifier_workers", "Worker processes in the pool", registry=registry)
 
 
@@ -62,7 +72,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._metrics.requests.labels(code.name).inc()
             self._metrics.request_seconds.observe(time.perf_counter() - started)
 
-    def _verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
+    def _verify(
+        self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.VerifyResponse:
         check_request_size(request, context, self._config.server.max_request_bytes)
         count = len(request.items)
         if count > self._config.max_items_per_request:

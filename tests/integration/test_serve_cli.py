@@ -43,8 +43,12 @@ def wait_serving(port: int) -> None:
 
 def test_serve_verifier_process(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([*rlep_command(), "serve", "verifier", "--port", str(port), "--set", "num_workers=1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "verifier", "--port", str(port), "--set", "num_workers=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_serving(port)
         with VerifierClient(f"127.0.0.1:{port}") as client:

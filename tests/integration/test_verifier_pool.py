@@ -19,8 +19,9 @@ HANGING_ITEM = ("\\boxed{9^{9^{9}}}", "3")
 
 def test_hung_worker_is_killed_and_replaced_without_failing_other_items():
     restarts: list[str] = []
-    pool = VerifyPool(num_workers=1, item_timeout_s=1.0, options=CheckOptions(parse_timeout_s=60),
-                      on_restart=restarts.append)
+    pool = VerifyPool(
+        num_workers=1, item_timeout_s=1.0, options=CheckOptions(parse_timeout_s=60), on_restart=restarts.append
+    )
     try:
         pid_before = pool.worker_pids[0]
         started = time.monotonic()

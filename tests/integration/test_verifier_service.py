@@ -153,9 +153,13 @@ def test_invalid_utf8_is_invalid_argument(verifier, auth_token_file):
 
 
 def test_too_many_items_and_too_many_bytes_are_invalid_argument(verifier, auth_token_file):
-    stub = verifier_pb2_grpc.VerifierStub(make_channel(f"127.0.0.1:{verifier.port}", auth_token_file.read_text().strip()))
+    stub = verifier_pb2_grpc.VerifierStub(
+        make_channel(f"127.0.0.1:{verifier.port}", auth_token_file.read_text().strip())
+    )
     too_many = verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(response="1", ground_truth="1")] * 1001)
-    too_big = verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(response="z" * 3_000_000, ground_truth="1")] * 3)
+    too_big = verifier_pb2.VerifyRequest(
+        items=[verifier_pb2.VerifyItem(response="z" * 3_000_000, ground_truth="1")] * 3
+    )
     for request, phrase in ((too_many, "over the limit of 1000"), (too_big, "bytes, over the limit")):
         with pytest.raises(grpc.RpcError) as err:
             stub.Verify(request, timeout=10)

@@ -168,8 +168,6 @@ def test_overlong_penalty_hand_computed():
 
 
 def test_overlong_penalty_without_buffer_is_a_step_and_checks_args():
-    torch.testing.assert_close(
-        overlong_penalty(torch.tensor([19, 20, 21]), 20, 0, 1.0), torch.tensor([0.0, 0.0, -1.0])
-    )
+    torch.testing.assert_close(overlong_penalty(torch.tensor([19, 20, 21]), 20, 0, 1.0), torch.tensor([0.0, 0.0, -1.0]))
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(torch.tensor([1]), max_len=4, buffer_len=8, penalty_factor=1.0)

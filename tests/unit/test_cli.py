@@ -16,7 +16,8 @@ def test_help_does_not_import_heavy_modules():
     code = (
         "import sys\nfrom rlep_common.cli import app\n"
         "try:\n    app(['serve', 'verifier', '--help'])\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('torch', 'grpc', 'math_verify', 'redis', 'vllm', 'deepspeed', 'ray') if m in sys.modules]\n"
+        "heavy = ('torch', 'grpc', 'math_verify', 'redis', 'vllm', 'deepspeed', 'ray')\n"
+        "heavy = [m for m in heavy if m in sys.modules]\n"
         "print('HEAVY', heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -26,8 +27,10 @@ def test_help_does_not_import_heavy_modules():
 def test_dry_run_prints_resolved_config(tmp_path):
     token = tmp_path / "token"
     token.write_text("t")
-    result = runner.invoke(app, ["serve", "verifier", "--port", "6000", "--auth-token-file", str(token),
-                                 "--set", "num_workers=3", "--dry-run"])
+    result = runner.invoke(
+        app,
+        ["serve", "verifier", "--port", "6000", "--auth-token-file", str(token), "--set", "num_workers=3", "--dry-run"],
+    )
     assert result.exit_code == 0, result.output
     config = json.loads(result.output)
     assert config["server"]["port"] == 6000 and config["num_workers"] == 3
