@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("RLEP_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
 def free_port() -> int:
