@@ -59,6 +59,7 @@ class Trajectory:
     behavior_logprobs: tuple[float, ...] = ()
     prompt_text: str = ""
     run_id: str = ""
+    created_at_ms: int = 0
 
     def __post_init__(self) -> None:
         if not self.question_id:

@@ -38,6 +38,7 @@ def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
         behavior_logprobs=t.behavior_logprobs,
         run_id=t.run_id,
         prompt_text=t.prompt_text,
+        created_at_ms=t.created_at_ms,
     )
 
 
@@ -56,4 +57,5 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
         behavior_logprobs=tuple(m.behavior_logprobs),
         prompt_text=m.prompt_text,
         run_id=m.run_id,
+        created_at_ms=m.created_at_ms,
     )

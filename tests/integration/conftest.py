@@ -38,3 +38,57 @@ def verifier_client(verifier, auth_token_file):
     token = auth_token_file.read_text().strip()
     with VerifierClient(f"127.0.0.1:{verifier.port}", token=token, chunk_items=500) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """The machine's Redis on 127.0.0.1:6379 when it answers (CI), else a self-started redis-server."""
+    import redis
+
+    try:
+        if redis.Redis(port=6379, socket_connect_timeout=1).ping():
+            yield "redis://127.0.0.1:6379/0"
+            return
+    except redis.ConnectionError:
+        pass
+    from rlep_common.redis_server import start_local_redis
+
+    local = start_local_redis(tmp_path_factory.mktemp("redis"))
+    yield local.url
+    local.stop()
+
+
+@pytest.fixture(scope="session")
+def replay(redis_url, auth_token_file):
+    """A real replay server over real Redis, requiring a bearer token, with /metrics."""
+    from services.replay.config import ReplayConfig
+    from services.replay.main import start_replay
+
+    config = ReplayConfig(
+        server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file),
+        redis_url=redis_url,
+        capacity_per_question=8,
+        max_questions_per_sample=50_000,
+    )
+    running = start_replay(config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def replay_client(replay, auth_token_file):
+    from services.replay.client import ReplayClient
+
+    with ReplayClient(f"127.0.0.1:{replay.port}", token=auth_token_file.read_text().strip()) as client:
+        yield client
+
+
+@pytest.fixture
+def pool_name(request, replay_client):
+    """A fresh pool name per test, dropped afterwards (the CI Redis is shared)."""
+    import uuid
+
+    name = f"test-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "_").replace("]", "_")
+    yield name
+    if name in replay_client.list_pools():
+        replay_client.drop(name, confirm=name)

@@ -1,0 +1,66 @@
+"""Typed client of the replay service, used by the learner, `rlep collect` and `rlep pool`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
+from rlep_common.grpc_utils import call_with_retry, make_channel
+from rlep_common.types import Trajectory
+from rlep_common.wire import trajectory_from_proto, trajectory_to_proto
+from services.replay.core import Strategy
+
+# One step's Sample is ~1 MB and milliseconds; adds and stats on a big pool take longer.
+DEFAULT_TIMEOUT_S = 60.0
+STRATEGY_TO_PROTO = {
+    Strategy.UNIFORM: replay_pb2.UNIFORM,
+    Strategy.RECENCY: replay_pb2.RECENCY,
+    Strategy.PRIORITIZED: replay_pb2.PRIORITIZED,
+    Strategy.DIVERSE: replay_pb2.DIVERSE,
+}
+
+
+class ReplayClient:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self._channel = make_channel(address, token)
+        self.stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def add(self, pool: str, trajectories: Sequence[Trajectory],
+            questions: Sequence[replay_pb2.Question] = ()) -> replay_pb2.AddTrajectoriesResponse:
+        request = replay_pb2.AddTrajectoriesRequest(
+            pool=pool, trajectories=[trajectory_to_proto(t) for t in trajectories], questions=questions)
+        return call_with_retry(self.stub.AddTrajectories, request, self._timeout_s)  # idempotent: safe to retry
+
+    def sample(self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy = Strategy.UNIFORM,
+               seed: int = 0, min_policy_version: int = 0) -> dict[str, list[Trajectory]]:
+        request = replay_pb2.SampleRequest(pool=pool, question_ids=question_ids, m=m, seed=seed,
+                                           strategy=STRATEGY_TO_PROTO[strategy], min_policy_version=min_policy_version)
+        reply = call_with_retry(self.stub.Sample, request, self._timeout_s)
+        return {s.question_id: [trajectory_from_proto(t) for t in s.trajectories] for s in reply.samples}
+
+    def stats(self, pool: str) -> replay_pb2.PoolStats:
+        return call_with_retry(self.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool), self._timeout_s)
+
+    def list_pools(self) -> list[str]:
+        return list(call_with_retry(self.stub.ListPools, replay_pb2.ListPoolsRequest(), self._timeout_s).pools)
+
+    def drop(self, pool: str, confirm: str) -> int:
+        request = replay_pb2.DropPoolRequest(pool=pool, confirm=confirm)
+        return self.stub.DropPool(request, timeout=self._timeout_s).deleted_trajectories
+
+    def export(self, pool: str, questions_per_chunk: int = 256) -> Iterator[replay_pb2.PoolChunk]:
+        request = replay_pb2.ExportPoolRequest(pool=pool, questions_per_chunk=questions_per_chunk)
+        yield from self.stub.ExportPool(request, timeout=None)  # a stream: as long as the pool needs
+
+    def import_chunks(self, chunks: Iterable[replay_pb2.PoolChunk]) -> replay_pb2.AddTrajectoriesResponse:
+        return self.stub.ImportPool(iter(chunks), timeout=None)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,112 @@
+"""Replay logic that needs no Redis: pool names, sampling strategies, length buckets.
+
+Sampling is deterministic for a given seed: each question gets its own generator seeded from
+(seed, question id), so the result for one question does not depend on which other questions are
+in the request, nor on their order. Strategies:
+
+- `uniform`: M distinct successes uniformly without replacement (the paper).
+- `recency`: the M with the highest policy version (ties broken by trajectory id).
+- `prioritized`: without replacement, probability proportional to a stored priority
+  (Efraimidis-Spirakis keys u^(1/w)); the learner may set priorities, e.g. to rarity of success.
+- `diverse`: a random first pick, then greedily the success least similar to those already picked
+  (max-min Jaccard distance between token-id sets).
+
+A question with fewer than M successes returns all it has; the response says how many exist.
+The learner decides how to fill the group (it trains on the smaller mixed group rather than
+padding with empty responses as RLEP's reference does, since an empty response with reward 1
+would teach the policy to stop at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class Strategy(StrEnum):
+    UNIFORM = "uniform"
+    RECENCY = "recency"
+    PRIORITIZED = "prioritized"
+    DIVERSE = "diverse"
+
+
+class Eviction(StrEnum):
+    OLDEST = "oldest"
+    LOWEST_PRIORITY = "lowest_priority"
+
+
+def check_pool_name(pool: str) -> None:
+    if not POOL_NAME.match(pool):
+        raise ValueError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
+
+
+def question_rng(seed: int, question_id: str) -> random.Random:
+    digest = hashlib.sha256(f"{seed}\0{question_id}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def choose_uniform_indices(available: int, m: int, rng: random.Random) -> list[int]:
+    """Indices of min(m, available) distinct picks among `available` items, O(m)."""
+    return rng.sample(range(available), min(m, available))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A stored success as the non-uniform strategies see it."""
+
+    trajectory_id: str
+    policy_version: int = 0
+    priority: float = 1.0
+    tokens: frozenset[int] = frozenset()
+
+
+def choose(candidates: Sequence[Candidate], m: int, strategy: Strategy, rng: random.Random) -> list[str]:
+    """Ids of up to m distinct candidates, in pick order, for the strategies that look at attributes.
+
+    `uniform` needs no attributes: the store draws `choose_uniform_indices` and reads only those.
+    """
+    if strategy == Strategy.UNIFORM:
+        raise ValueError("uniform sampling is index-based: use choose_uniform_indices")
+    if strategy == Strategy.RECENCY:
+        ranked = sorted(candidates, key=lambda c: (-c.policy_version, c.trajectory_id))
+        return [c.trajectory_id for c in ranked[:m]]
+    if strategy == Strategy.PRIORITIZED:
+        ordered = sorted(candidates, key=lambda c: c.trajectory_id)
+        keys = [(math.log(rng.random() or 1e-300) / max(c.priority, 1e-12), c.trajectory_id) for c in ordered]
+        return [tid for _, tid in sorted(keys, reverse=True)[:m]]
+    if strategy == Strategy.DIVERSE:
+        return _choose_diverse(sorted(candidates, key=lambda c: c.trajectory_id), m, rng)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _jaccard_distance(a: frozenset[int], b: frozenset[int]) -> float:
+    union = len(a | b)
+    return 1.0 - len(a & b) / union if union else 0.0
+
+
+def _choose_diverse(ordered: list[Candidate], m: int, rng: random.Random) -> list[str]:
+    remaining = list(ordered)
+    rng.shuffle(remaining)  # random first pick, and random tie-breaking after it
+    picked = [remaining.pop(0)] if remaining else []
+    while remaining and len(picked) < m:
+        best = max(
+            range(len(remaining)),
+            key=lambda i: min(_jaccard_distance(remaining[i].tokens, p.tokens) for p in picked),
+        )
+        picked.append(remaining.pop(best))
+    return [c.trajectory_id for c in picked]
+
+
+def length_bucket(tokens: int) -> str:
+    """Power-of-two bucket label of a response length: "0", "1", "2-3", "4-7", ..."""
+    if tokens <= 1:
+        return str(max(tokens, 0))
+    low = 1 << (tokens.bit_length() - 1)
+    return f"{low}-{2 * low - 1}"

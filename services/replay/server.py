@@ -1,0 +1,249 @@
+"""gRPC adapter of the replay pool: validation, proto <-> store, error mapping, metrics."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+
+import grpc
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlep.common.v1 import trajectory_pb2
+from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
+from rlep_common.grpc_utils import check_request_size
+from rlep_common.types import trajectory_id
+from services.replay.config import ReplayConfig
+from services.replay.core import Strategy, check_pool_name
+from services.replay.store import PoolNotFound, RedisReplayStore, StoredTrajectory, now_ms
+
+SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayBuffer"]
+STRATEGIES = {
+    replay_pb2.STRATEGY_UNSPECIFIED: Strategy.UNIFORM,
+    replay_pb2.UNIFORM: Strategy.UNIFORM,
+    replay_pb2.RECENCY: Strategy.RECENCY,
+    replay_pb2.PRIORITIZED: Strategy.PRIORITIZED,
+    replay_pb2.DIVERSE: Strategy.DIVERSE,
+}
+MAX_QUESTION_ID_CHARS = 256
+
+
+class ReplayMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.adds = Counter("rlep_replay_trajectories_added_total", "Trajectories offered to AddTrajectories, by outcome",
+                            ["outcome"], registry=registry)
+        for outcome in ("added", "duplicate", "rejected", "evicted"):
+            self.adds.labels(outcome)
+        self.sample_seconds = Histogram("rlep_replay_sample_seconds", "Latency of a Sample call", registry=registry,
+                                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.sampled = Counter("rlep_replay_sampled_trajectories_total", "Trajectories returned by Sample",
+                               registry=registry)
+        self.redis_errors = Counter("rlep_replay_redis_errors_total", "Redis calls that failed", registry=registry)
+        self.pool_trajectories = Gauge("rlep_replay_pool_trajectories", "Trajectories stored, per pool (at last stats)",
+                                       ["pool"], registry=registry)
+        self.pool_questions = Gauge("rlep_replay_pool_questions", "Questions covered, per pool (at last stats)",
+                                    ["pool"], registry=registry)
+        self.requests = Counter("rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"],
+                                registry=registry)
+
+
+def rpc(method):
+    """Maps store errors to gRPC codes and counts every call by status."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        code = grpc.StatusCode.OK
+        try:
+            return method(self, request, context)
+        except PoolNotFound as err:
+            code = grpc.StatusCode.NOT_FOUND
+            context.abort(code, f"unknown pool {err.args[0]!r}")
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            self.metrics.redis_errors.inc()
+            code = grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"Redis unavailable ({type(err).__name__}); retry: nothing was written")
+        except ValueError as err:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(err))
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            self.metrics.requests.labels(method.__name__, code.name).inc()
+
+    return wrapper
+
+
+class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
+    def __init__(self, store: RedisReplayStore, config: ReplayConfig, metrics: ReplayMetrics):
+        self.store, self.config, self.metrics = store, config, metrics
+
+    def _validate(self, index: int, traj: trajectory_pb2.Trajectory) -> str | None:
+        """Why a trajectory cannot be stored, or None."""
+        if not traj.question_id:
+            return "missing question_id"
+        if len(traj.question_id) > MAX_QUESTION_ID_CHARS:
+            return f"question_id longer than {MAX_QUESTION_ID_CHARS} characters"
+        if not traj.response_text:
+            return "missing response_text"
+        if traj.verdict != trajectory_pb2.CORRECT:
+            return f"not a success (verdict {trajectory_pb2.Verdict.Name(traj.verdict)}); the pool keeps CORRECT only"
+        if traj.behavior_logprobs and len(traj.behavior_logprobs) != len(traj.response_token_ids):
+            return "behavior_logprobs and response_token_ids differ in length"
+        if traj.ByteSize() > self.config.max_trajectory_bytes:
+            return f"oversize: {traj.ByteSize()} bytes > {self.config.max_trajectory_bytes}"
+        return None
+
+    def _add(self, pool: str, trajectories, questions) -> replay_pb2.AddTrajectoriesResponse:
+        check_pool_name(pool)
+        if len(trajectories) > self.config.max_trajectories_per_add:
+            raise ValueError(f"{len(trajectories)} trajectories in one call, over {self.config.max_trajectories_per_add}")
+        reply = replay_pb2.AddTrajectoriesResponse()
+        items = []
+        for index, traj in enumerate(trajectories):
+            reason = self._validate(index, traj)
+            if reason:
+                reply.rejections.add(index=index, reason=reason)
+                continue
+            stored = trajectory_pb2.Trajectory()
+            stored.CopyFrom(traj)
+            if not stored.created_at_ms:
+                stored.created_at_ms = now_ms()
+            tokens = len(traj.response_token_ids) or len(traj.response_text.split())
+            items.append(StoredTrajectory(traj.question_id, trajectory_id(traj.question_id, traj.response_text),
+                                          stored.SerializeToString(), 1.0, traj.policy_version, tokens))
+        for question in questions:
+            if not question.question_id:
+                raise ValueError("a Question without question_id")
+        result = self.store.add(pool, items, list(questions))
+        reply.added, reply.duplicate, reply.evicted = result.added, result.duplicate, result.evicted
+        reply.rejected = len(reply.rejections)
+        for outcome, count in (("added", reply.added), ("duplicate", reply.duplicate), ("rejected", reply.rejected),
+                               ("evicted", reply.evicted)):
+            self.metrics.adds.labels(outcome).inc(count)
+        return reply
+
+    @rpc
+    def AddTrajectories(self, request, context):
+        check_request_size(request, context, self.config.server.max_request_bytes)
+        return self._add(request.pool, request.trajectories, request.questions)
+
+    @rpc
+    def Sample(self, request, context):
+        started = time.perf_counter()
+        check_pool_name(request.pool)
+        if not 1 <= request.m <= self.config.max_m:
+            raise ValueError(f"m must be in 1..{self.config.max_m}, got {request.m}")
+        if not request.question_ids:
+            raise ValueError("question_ids is empty")
+        if len(request.question_ids) > self.config.max_questions_per_sample:
+            raise ValueError(f"{len(request.question_ids)} question ids, over {self.config.max_questions_per_sample}")
+        if request.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {request.strategy}")
+        results = self.store.sample(request.pool, list(request.question_ids), request.m, STRATEGIES[request.strategy],
+                                    request.seed, request.min_policy_version)
+        reply = replay_pb2.SampleResponse()
+        for qid, (payloads, available) in zip(request.question_ids, results, strict=True):
+            sample = reply.samples.add(question_id=qid, available=available)
+            for payload in payloads:
+                sample.trajectories.add().MergeFromString(payload)
+            reply.short_questions += len(payloads) < request.m
+            self.metrics.sampled.inc(len(payloads))
+        self.metrics.sample_seconds.observe(time.perf_counter() - started)
+        return reply
+
+    @rpc
+    def UpdatePriorities(self, request, context):
+        check_pool_name(request.pool)
+        for update in request.updates:
+            if not update.priority > 0:
+                raise ValueError(f"priority must be > 0, got {update.priority} for {update.question_id!r}")
+        updated, missing = self.store.update_priorities(
+            request.pool, [(u.question_id, u.trajectory_id, u.priority) for u in request.updates])
+        return replay_pb2.UpdatePrioritiesResponse(updated=updated, missing=missing)
+
+    @rpc
+    def GetPoolStats(self, request, context):
+        check_pool_name(request.pool)
+        raw = self.store.stats(request.pool)
+        meta = raw["meta"]
+        total = int(meta.get("trajectories", 0))
+        tokens_sum, tokens_sq = int(meta.get("tokens_sum", 0)), int(meta.get("tokens_sq_sum", 0))
+        mean = tokens_sum / total if total else 0.0
+        var = max(tokens_sq / total - mean * mean, 0.0) if total else 0.0
+        histogram: dict[int, int] = {}
+        for count in raw["per_question"]:
+            histogram[count] = histogram.get(count, 0) + 1
+        stats = replay_pb2.PoolStats(
+            pool=request.pool, questions=len(raw["per_question"]), trajectories=total,
+            mean_response_tokens=mean, std_response_tokens=var**0.5,
+            payload_bytes=int(meta.get("payload_bytes", 0)), redis_used_memory_bytes=raw["used_memory"],
+            capacity_per_question=int(meta.get("capacity", 0)), eviction=meta.get("eviction", ""),
+        )
+        for count in sorted(histogram):
+            stats.successes_per_question.add(label=str(count), count=histogram[count])
+        for label in sorted(raw["lengths"], key=lambda b: int(b.split("-")[0])):
+            stats.response_token_histogram.add(label=label, count=raw["lengths"][label])
+        for version in sorted(raw["versions"]):
+            stats.per_policy_version.add(label=str(version), count=raw["versions"][version])
+        self.metrics.pool_trajectories.labels(request.pool).set(total)
+        self.metrics.pool_questions.labels(request.pool).set(stats.questions)
+        return stats
+
+    @rpc
+    def ListPools(self, request, context):
+        return replay_pb2.ListPoolsResponse(pools=self.store.pools())
+
+    @rpc
+    def DropPool(self, request, context):
+        check_pool_name(request.pool)
+        if request.confirm != request.pool:
+            raise ValueError("DropPool needs confirm equal to the pool name")
+        deleted = self.store.drop(request.pool)
+        for gauge in (self.metrics.pool_trajectories, self.metrics.pool_questions):
+            try:
+                gauge.remove(request.pool)
+            except KeyError:  # no stats were taken of this pool
+                pass
+        return replay_pb2.DropPoolResponse(deleted_trajectories=deleted)
+
+    def ExportPool(self, request, context) -> Iterator[replay_pb2.PoolChunk]:
+        try:
+            check_pool_name(request.pool)
+            batch = request.questions_per_chunk or 256
+            for questions, payload_lists in self.store.iter_questions(request.pool, batch):
+                chunk = replay_pb2.PoolChunk(pool=request.pool)
+                for question in questions:
+                    chunk.questions.add().MergeFromString(question)
+                for payloads in payload_lists:
+                    for payload in payloads:
+                        chunk.trajectories.add().MergeFromString(payload)
+                yield chunk
+        except PoolNotFound:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {request.pool!r}")
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.metrics.redis_errors.inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Redis unavailable; retry the export")
+
+    @rpc
+    def ImportPool(self, request_iterator, context):
+        total = replay_pb2.AddTrajectoriesResponse()
+        pool = ""
+        for chunk in request_iterator:
+            pool = pool or chunk.pool
+            if chunk.pool and chunk.pool != pool:
+                raise ValueError("every chunk of one import must name the same pool")
+            reply = self._add(pool, chunk.trajectories, chunk.questions)
+            offset = total.added + total.duplicate + total.rejected
+            total.added += reply.added
+            total.duplicate += reply.duplicate
+            total.evicted += reply.evicted
+            total.rejected += reply.rejected
+            for rejection in reply.rejections:
+                total.rejections.add(index=offset + rejection.index, reason=rejection.reason)
+        if not pool:
+            raise ValueError("ImportPool needs at least one chunk naming the pool")
+        return total

@@ -1,0 +1,210 @@
+"""The replay pool as the learner sees it: a real gRPC server over a real Redis."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from rlep.common.v1 import trajectory_pb2
+from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
+from rlep_common.grpc_utils import make_channel
+from rlep_common.types import Source, Trajectory, Verdict
+from services.replay.core import Strategy
+
+pytestmark = pytest.mark.integration
+
+
+def success(qid: str, i: int, version: int = 0, tokens: int = 4) -> Trajectory:
+    return Trajectory(qid, f"solution {i} of {qid} \\boxed{{{i}}}", reward=1.0, source=Source.FRESH,
+                      verdict=Verdict.CORRECT, policy_version=version,
+                      response_token_ids=tuple(range(i, i + tokens)))
+
+
+def test_add_is_idempotent_and_reports_outcomes(replay_client, pool_name):
+    batch = [success("q1", i) for i in range(3)]
+    wrong = Trajectory("q1", "nope", reward=-1.0, verdict=Verdict.WRONG)
+    first = replay_client.add(pool_name, [*batch, wrong, batch[0]])
+    assert (first.added, first.duplicate, first.rejected) == (3, 1, 1)
+    assert first.rejections[0].index == 3 and "not a success" in first.rejections[0].reason
+    again = replay_client.add(pool_name, batch)  # a retried request
+    assert (again.added, again.duplicate) == (0, 3)
+    assert replay_client.stats(pool_name).trajectories == 3
+
+
+def test_sample_m_distinct_per_question_deterministic_for_a_seed(replay_client, pool_name):
+    replay_client.add(pool_name, [success(f"q{q}", i) for q in range(5) for i in range(6)])
+    replay_client.add(pool_name, [success("short", 0)])
+    qids = [f"q{q}" for q in range(5)] + ["short", "absent"]
+    first = replay_client.sample(pool_name, qids, m=2, seed=7)
+    assert [len(first[q]) for q in qids] == [2, 2, 2, 2, 2, 1, 0]
+    for q in qids[:5]:
+        texts = [t.response_text for t in first[q]]
+        assert len(set(texts)) == 2 and all(f"of {q} " in t for t in texts)
+    assert replay_client.sample(pool_name, qids, m=2, seed=7) == first
+    reordered = replay_client.sample(pool_name, list(reversed(qids)), m=2, seed=7)
+    assert reordered == first  # per-question draws do not depend on the rest of the request
+    others = [replay_client.sample(pool_name, qids, m=2, seed=s) for s in range(8, 14)]
+    assert any(o != first for o in others)
+
+
+def test_uniform_sampling_covers_every_success(replay_client, pool_name):
+    replay_client.add(pool_name, [success("q", i) for i in range(6)])
+    seen = {t.response_text for s in range(60) for t in replay_client.sample(pool_name, ["q"], m=2, seed=s)["q"]}
+    assert len(seen) == 6
+
+
+def test_recency_and_staleness_bound(replay_client, pool_name):
+    replay_client.add(pool_name, [success("q", i, version=i) for i in range(6)])
+    recent = replay_client.sample(pool_name, ["q"], m=2, strategy=Strategy.RECENCY)["q"]
+    assert [t.policy_version for t in recent] == [5, 4]
+    bounded = replay_client.sample(pool_name, ["q"], m=6, min_policy_version=4, seed=1)["q"]
+    assert sorted(t.policy_version for t in bounded) == [4, 5]
+
+
+def test_prioritized_follows_priorities(replay_client, pool_name, replay):
+    replay_client.add(pool_name, [success("q", i) for i in range(4)])
+    favourite = success("q", 2)
+    stub = replay_client.stub
+    reply = stub.UpdatePriorities(replay_pb2.UpdatePrioritiesRequest(pool=pool_name, updates=[
+        replay_pb2.PriorityUpdate(question_id="q", priority=0.001),
+        replay_pb2.PriorityUpdate(question_id="q", trajectory_id=favourite.id, priority=1000.0),
+        replay_pb2.PriorityUpdate(question_id="q", trajectory_id="f" * 64, priority=1.0),
+    ]), timeout=10)
+    assert (reply.updated, reply.missing) == (5, 1)
+    picks = [replay_client.sample(pool_name, ["q"], m=1, strategy=Strategy.PRIORITIZED, seed=s)["q"][0]
+             for s in range(20)]
+    assert sum(p.response_text == favourite.response_text for p in picks) >= 18
+
+
+def test_diverse_prefers_dissimilar_responses(replay_client, pool_name):
+    near = [Trajectory("q", f"near {i}", 1.0, verdict=Verdict.CORRECT, response_token_ids=(1, 2, 3, 4, 5, 6 + i))
+            for i in range(4)]
+    far = Trajectory("q", "far", 1.0, verdict=Verdict.CORRECT, response_token_ids=(50, 51, 52, 53))
+    replay_client.add(pool_name, [*near, far])
+    for seed in range(5):
+        picked = replay_client.sample(pool_name, ["q"], m=2, strategy=Strategy.DIVERSE, seed=seed)["q"]
+        assert "far" in {t.response_text for t in picked}
+
+
+def test_capacity_evicts_oldest(replay_client, pool_name, replay):
+    replay_client.add(pool_name, [success("q", i) for i in range(10)])  # capacity 8 in the fixture
+    stats = replay_client.stats(pool_name)
+    assert stats.trajectories == 8 and stats.capacity_per_question == 8
+    kept = {t.response_text for t in replay_client.sample(pool_name, ["q"], m=8, seed=0)["q"]}
+    assert kept == {success("q", i).response_text for i in range(2, 10)}
+
+
+def test_stats_describe_the_pool(replay_client, pool_name):
+    replay_client.add(pool_name, [success(f"q{q}", i, version=q % 2, tokens=2 + i) for q in range(3)
+                                  for i in range(q + 1)])
+    stats = replay_client.stats(pool_name)
+    assert (stats.questions, stats.trajectories) == (3, 6)
+    assert {b.label: b.count for b in stats.successes_per_question} == {"1": 1, "2": 1, "3": 1}
+    assert {b.label: b.count for b in stats.per_policy_version} == {"0": 4, "1": 2}
+    lengths = [2, 2, 3, 2, 3, 4]
+    assert stats.mean_response_tokens == pytest.approx(sum(lengths) / 6)
+    assert {b.label: b.count for b in stats.response_token_histogram} == {"2-3": 5, "4-7": 1}
+    assert stats.payload_bytes > 0 and stats.redis_used_memory_bytes > 0
+    assert pool_name in replay_client.list_pools()
+
+
+def test_export_then_import_gives_identical_pool(replay_client, pool_name):
+    questions = [replay_pb2.Question(question_id=f"q{q}", ground_truth=str(q), data_source="unit",
+                                     prompt=[replay_pb2.ChatMessage(role="user", content=f"what is {q}?")])
+                 for q in range(30)]
+    replay_client.add(pool_name, [success(f"q{q}", i, version=i) for q in range(30) for i in range(q % 4 + 1)],
+                      questions)
+    chunks = list(replay_client.export(pool_name, questions_per_chunk=7))
+    assert len(chunks) == 5
+    copy = pool_name + "-copy"
+    for chunk in chunks:
+        chunk.pool = copy
+    try:
+        reply = replay_client.import_chunks(chunks)
+        assert reply.added == replay_client.stats(pool_name).trajectories and reply.rejected == 0
+        original, imported = replay_client.stats(pool_name), replay_client.stats(copy)
+        for field in ("questions", "trajectories", "successes_per_question", "per_policy_version",
+                      "mean_response_tokens", "response_token_histogram", "payload_bytes"):
+            assert getattr(original, field) == getattr(imported, field), field
+        assert list(replay_client.export(copy, 7))[0].questions == chunks[0].questions
+        qids = [f"q{q}" for q in range(30)]
+        assert replay_client.sample(copy, qids, m=4, seed=3) == replay_client.sample(pool_name, qids, m=4, seed=3)
+    finally:
+        replay_client.drop(copy, confirm=copy)
+
+
+def _abort_code(call, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=10)
+    return err.value.code(), err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code", "phrase"),
+    [
+        ({"pool": "no-such-pool", "question_ids": ["q"], "m": 2}, grpc.StatusCode.NOT_FOUND, "unknown pool"),
+        ({"pool": "bad name!", "question_ids": ["q"], "m": 2}, grpc.StatusCode.INVALID_ARGUMENT, "must match"),
+        ({"question_ids": ["q"], "m": 0}, grpc.StatusCode.INVALID_ARGUMENT, "m must be in"),
+        ({"question_ids": ["q"], "m": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "m must be in"),
+        ({"question_ids": [], "m": 2}, grpc.StatusCode.INVALID_ARGUMENT, "question_ids is empty"),
+        ({"question_ids": [f"q{i}" for i in range(100_000)], "m": 2}, grpc.StatusCode.INVALID_ARGUMENT, "over 50000"),
+    ],
+)
+def test_bad_sample_requests(replay_client, pool_name, request_fields, code, phrase):
+    replay_client.add(pool_name, [success("q", 0)])
+    fields = {"pool": pool_name, **request_fields}
+    got_code, details = _abort_code(replay_client.stub.Sample, replay_pb2.SampleRequest(**fields))
+    assert got_code == code and phrase in details
+
+
+def test_large_sample_request_works(replay_client, pool_name):
+    replay_client.add(pool_name, [success(f"q{q}", i) for q in range(200) for i in range(3)])
+    qids = [f"q{q % 300}" for q in range(40_000)]
+    reply = replay_client.stub.Sample(replay_pb2.SampleRequest(pool=pool_name, question_ids=qids, m=2), timeout=60)
+    assert len(reply.samples) == 40_000 and reply.samples[0].available == 3 and reply.samples[250].available == 0
+
+
+def test_bad_trajectories_are_rejected_with_reasons(replay_client, pool_name, replay):
+    good = trajectory_pb2.Trajectory(question_id="q", response_text="ok", verdict=trajectory_pb2.CORRECT)
+    cases = [
+        trajectory_pb2.Trajectory(response_text="x", verdict=trajectory_pb2.CORRECT),
+        trajectory_pb2.Trajectory(question_id="q", verdict=trajectory_pb2.CORRECT),
+        trajectory_pb2.Trajectory(question_id="q", response_text="y" * 2_000_000, verdict=trajectory_pb2.CORRECT),
+        trajectory_pb2.Trajectory(question_id="q", response_text="z", verdict=trajectory_pb2.CORRECT,
+                                  response_token_ids=[1, 2], behavior_logprobs=[-0.1]),
+        trajectory_pb2.Trajectory(question_id="q" * 300, response_text="w", verdict=trajectory_pb2.CORRECT),
+    ]
+    reply = replay_client.stub.AddTrajectories(
+        replay_pb2.AddTrajectoriesRequest(pool=pool_name, trajectories=[good, *cases]), timeout=10)
+    assert (reply.added, reply.rejected) == (1, 5)
+    reasons = [r.reason for r in reply.rejections]
+    for phrase in ("missing question_id", "missing response_text", "oversize", "differ in length", "longer than"):
+        assert any(phrase in r for r in reasons), phrase
+
+
+def test_non_utf8_is_invalid_argument(replay, auth_token_file):
+    channel = make_channel(f"127.0.0.1:{replay.port}", auth_token_file.read_text().strip())
+    call = channel.unary_unary("/rlep.replay.v1.ReplayBuffer/AddTrajectories")
+    pool = b"\x0a\x01p"
+    trajectory = b"\x0a\x01q" + b"\x22\x02\xc3\x28"  # question_id "q", response_text = invalid UTF-8
+    payload = pool + b"\x12" + bytes([len(trajectory)]) + trajectory
+    with pytest.raises(grpc.RpcError) as err:
+        call(payload, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_drop_needs_confirmation(replay_client, pool_name):
+    replay_client.add(pool_name, [success("q", i) for i in range(3)])
+    with pytest.raises(grpc.RpcError) as err:
+        replay_client.drop(pool_name, confirm="yes")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert replay_client.drop(pool_name, confirm=pool_name) == 3
+    assert pool_name not in replay_client.list_pools()
+    code, _ = _abort_code(replay_client.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool_name))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_wrong_token_is_unauthenticated(replay):
+    stub = replay_pb2_grpc.ReplayBufferStub(make_channel(f"127.0.0.1:{replay.port}", "wrong"))
+    code, _ = _abort_code(stub.ListPools, replay_pb2.ListPoolsRequest())
+    assert code == grpc.StatusCode.UNAUTHENTICATED
