@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
+from rlep_common.pool_cli import pool_app
+
 app = typer.Typer(
     help="RLEP: RL post-training of LLMs with experience replay.", no_args_is_help=True, pretty_exceptions_enable=False
 )
@@ -21,10 +23,12 @@ serve_app = typer.Typer(help="Run one service: rlep serve <service> --host 127.0
 proto_app = typer.Typer(help="Generate or check the gRPC stubs under proto/.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 app.add_typer(proto_app, name="proto")
+app.add_typer(pool_app, name="pool")
 
 # service -> (config class, blocking serve function), imported lazily.
 SERVICES: dict[str, tuple[str, str]] = {
     "verifier": ("services.verifier.config:VerifierConfig", "services.verifier.main:serve_forever"),
+    "replay": ("services.replay.config:ReplayConfig", "services.replay.main:serve_forever"),
 }
 
 
@@ -100,6 +104,20 @@ def serve_verifier(
 ) -> None:
     """math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts."""
     _serve("verifier", config, host, port, auth_token_file, metrics_port, set_, dry_run)
+
+
+@serve_app.command("replay")
+def serve_replay(
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    auth_token_file: TokenOpt = None,
+    metrics_port: MetricsOpt = None,
+    set_: SetOpt = None,
+    dry_run: DryRunOpt = False,
+) -> None:
+    """The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url."""
+    _serve("replay", config, host, port, auth_token_file, metrics_port, set_, dry_run)
 
 
 @proto_app.command("gen")

@@ -75,9 +75,25 @@ def start_local_redis(data_dir: Path, port: int | None = None, appendfsync: str 
 
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or _free_port()
-    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "", "--protected-mode", "yes",
-            "--logfile", str(data_dir / "redis.log")]
+    args = [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        appendfsync,
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+        "--logfile",
+        str(data_dir / "redis.log"),
+    ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = LocalRedis(process, port, data_dir)
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S

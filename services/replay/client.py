@@ -26,16 +26,31 @@ class ReplayClient:
         self.stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
         self._timeout_s = timeout_s
 
-    def add(self, pool: str, trajectories: Sequence[Trajectory],
-            questions: Sequence[replay_pb2.Question] = ()) -> replay_pb2.AddTrajectoriesResponse:
+    def add(
+        self, pool: str, trajectories: Sequence[Trajectory], questions: Sequence[replay_pb2.Question] = ()
+    ) -> replay_pb2.AddTrajectoriesResponse:
         request = replay_pb2.AddTrajectoriesRequest(
-            pool=pool, trajectories=[trajectory_to_proto(t) for t in trajectories], questions=questions)
+            pool=pool, trajectories=[trajectory_to_proto(t) for t in trajectories], questions=questions
+        )
         return call_with_retry(self.stub.AddTrajectories, request, self._timeout_s)  # idempotent: safe to retry
 
-    def sample(self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy = Strategy.UNIFORM,
-               seed: int = 0, min_policy_version: int = 0) -> dict[str, list[Trajectory]]:
-        request = replay_pb2.SampleRequest(pool=pool, question_ids=question_ids, m=m, seed=seed,
-                                           strategy=STRATEGY_TO_PROTO[strategy], min_policy_version=min_policy_version)
+    def sample(
+        self,
+        pool: str,
+        question_ids: Sequence[str],
+        m: int,
+        strategy: Strategy = Strategy.UNIFORM,
+        seed: int = 0,
+        min_policy_version: int = 0,
+    ) -> dict[str, list[Trajectory]]:
+        request = replay_pb2.SampleRequest(
+            pool=pool,
+            question_ids=question_ids,
+            m=m,
+            seed=seed,
+            strategy=STRATEGY_TO_PROTO[strategy],
+            min_policy_version=min_policy_version,
+        )
         reply = call_with_retry(self.stub.Sample, request, self._timeout_s)
         return {s.question_id: [trajectory_from_proto(t) for t in s.trajectories] for s in reply.samples}
 

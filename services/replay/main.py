@@ -45,26 +45,31 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
     if url is None:
         local = start_local_redis(config.local_redis_dir, appendfsync=config.local_redis_appendfsync)
         url = local.url
-    client = redis.Redis.from_url(url, socket_timeout=config.redis_timeout_s,
-                                  socket_connect_timeout=config.redis_timeout_s)
+    client = redis.Redis.from_url(
+        url, socket_timeout=config.redis_timeout_s, socket_connect_timeout=config.redis_timeout_s
+    )
     client.ping()
     store = RedisReplayStore(client, config.capacity_per_question, config.eviction)
     registry = CollectorRegistry()
     servicer = ReplayServicer(store, config, ReplayMetrics(registry))
-    server, port, _ = build_server(config.server, lambda s: add_validated_servicer(s, SERVICE, servicer),
-                                   [SERVICE.full_name])
+    server, port, _ = build_server(
+        config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
+    )
     metrics_server = None
     if config.server.metrics_port is not None:
-        metrics_server = MetricsServer(registry, config.server.host, config.server.metrics_port,
-                                       config.server.read_auth_token())
+        metrics_server = MetricsServer(
+            registry, config.server.host, config.server.metrics_port, config.server.read_auth_token()
+        )
     return RunningReplay(server, port, store, metrics_server, local)
 
 
 def serve_forever(config: ReplayConfig) -> None:
     running = start_replay(config)
     where = running.local_redis.url if running.local_redis else "configured Redis"
-    print(f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}",
-          flush=True)
+    print(
+        f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}",
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Iterator
@@ -31,21 +32,36 @@ MAX_QUESTION_ID_CHARS = 256
 
 class ReplayMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.adds = Counter("rlep_replay_trajectories_added_total", "Trajectories offered to AddTrajectories, by outcome",
-                            ["outcome"], registry=registry)
+        self.adds = Counter(
+            "rlep_replay_trajectories_added_total",
+            "Trajectories offered to AddTrajectories, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
         for outcome in ("added", "duplicate", "rejected", "evicted"):
             self.adds.labels(outcome)
-        self.sample_seconds = Histogram("rlep_replay_sample_seconds", "Latency of a Sample call", registry=registry,
-                                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.sampled = Counter("rlep_replay_sampled_trajectories_total", "Trajectories returned by Sample",
-                               registry=registry)
+        self.sample_seconds = Histogram(
+            "rlep_replay_sample_seconds",
+            "Latency of a Sample call",
+            registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.sampled = Counter(
+            "rlep_replay_sampled_trajectories_total", "Trajectories returned by Sample", registry=registry
+        )
         self.redis_errors = Counter("rlep_replay_redis_errors_total", "Redis calls that failed", registry=registry)
-        self.pool_trajectories = Gauge("rlep_replay_pool_trajectories", "Trajectories stored, per pool (at last stats)",
-                                       ["pool"], registry=registry)
-        self.pool_questions = Gauge("rlep_replay_pool_questions", "Questions covered, per pool (at last stats)",
-                                    ["pool"], registry=registry)
-        self.requests = Counter("rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"],
-                                registry=registry)
+        self.pool_trajectories = Gauge(
+            "rlep_replay_pool_trajectories",
+            "Trajectories stored, per pool (at last stats)",
+            ["pool"],
+            registry=registry,
+        )
+        self.pool_questions = Gauge(
+            "rlep_replay_pool_questions", "Questions covered, per pool (at last stats)", ["pool"], registry=registry
+        )
+        self.requests = Counter(
+            "rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"], registry=registry
+        )
 
 
 def rpc(method):
@@ -98,7 +114,9 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
     def _add(self, pool: str, trajectories, questions) -> replay_pb2.AddTrajectoriesResponse:
         check_pool_name(pool)
         if len(trajectories) > self.config.max_trajectories_per_add:
-            raise ValueError(f"{len(trajectories)} trajectories in one call, over {self.config.max_trajectories_per_add}")
+            raise ValueError(
+                f"{len(trajectories)} trajectories in one call, over {self.config.max_trajectories_per_add}"
+            )
         reply = replay_pb2.AddTrajectoriesResponse()
         items = []
         for index, traj in enumerate(trajectories):
@@ -111,16 +129,28 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             if not stored.created_at_ms:
                 stored.created_at_ms = now_ms()
             tokens = len(traj.response_token_ids) or len(traj.response_text.split())
-            items.append(StoredTrajectory(traj.question_id, trajectory_id(traj.question_id, traj.response_text),
-                                          stored.SerializeToString(), 1.0, traj.policy_version, tokens))
+            items.append(
+                StoredTrajectory(
+                    traj.question_id,
+                    trajectory_id(traj.question_id, traj.response_text),
+                    stored.SerializeToString(),
+                    1.0,
+                    traj.policy_version,
+                    tokens,
+                )
+            )
         for question in questions:
             if not question.question_id:
                 raise ValueError("a Question without question_id")
         result = self.store.add(pool, items, list(questions))
         reply.added, reply.duplicate, reply.evicted = result.added, result.duplicate, result.evicted
         reply.rejected = len(reply.rejections)
-        for outcome, count in (("added", reply.added), ("duplicate", reply.duplicate), ("rejected", reply.rejected),
-                               ("evicted", reply.evicted)):
+        for outcome, count in (
+            ("added", reply.added),
+            ("duplicate", reply.duplicate),
+            ("rejected", reply.rejected),
+            ("evicted", reply.evicted),
+        ):
             self.metrics.adds.labels(outcome).inc(count)
         return reply
 
@@ -141,8 +171,14 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             raise ValueError(f"{len(request.question_ids)} question ids, over {self.config.max_questions_per_sample}")
         if request.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {request.strategy}")
-        results = self.store.sample(request.pool, list(request.question_ids), request.m, STRATEGIES[request.strategy],
-                                    request.seed, request.min_policy_version)
+        results = self.store.sample(
+            request.pool,
+            list(request.question_ids),
+            request.m,
+            STRATEGIES[request.strategy],
+            request.seed,
+            request.min_policy_version,
+        )
         reply = replay_pb2.SampleResponse()
         for qid, (payloads, available) in zip(request.question_ids, results, strict=True):
             sample = reply.samples.add(question_id=qid, available=available)
@@ -160,7 +196,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             if not update.priority > 0:
                 raise ValueError(f"priority must be > 0, got {update.priority} for {update.question_id!r}")
         updated, missing = self.store.update_priorities(
-            request.pool, [(u.question_id, u.trajectory_id, u.priority) for u in request.updates])
+            request.pool, [(u.question_id, u.trajectory_id, u.priority) for u in request.updates]
+        )
         return replay_pb2.UpdatePrioritiesResponse(updated=updated, missing=missing)
 
     @rpc
@@ -176,10 +213,15 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         for count in raw["per_question"]:
             histogram[count] = histogram.get(count, 0) + 1
         stats = replay_pb2.PoolStats(
-            pool=request.pool, questions=len(raw["per_question"]), trajectories=total,
-            mean_response_tokens=mean, std_response_tokens=var**0.5,
-            payload_bytes=int(meta.get("payload_bytes", 0)), redis_used_memory_bytes=raw["used_memory"],
-            capacity_per_question=int(meta.get("capacity", 0)), eviction=meta.get("eviction", ""),
+            pool=request.pool,
+            questions=len(raw["per_question"]),
+            trajectories=total,
+            mean_response_tokens=mean,
+            std_response_tokens=var**0.5,
+            payload_bytes=int(meta.get("payload_bytes", 0)),
+            redis_used_memory_bytes=raw["used_memory"],
+            capacity_per_question=int(meta.get("capacity", 0)),
+            eviction=meta.get("eviction", ""),
         )
         for count in sorted(histogram):
             stats.successes_per_question.add(label=str(count), count=histogram[count])
@@ -202,10 +244,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             raise ValueError("DropPool needs confirm equal to the pool name")
         deleted = self.store.drop(request.pool)
         for gauge in (self.metrics.pool_trajectories, self.metrics.pool_questions):
-            try:
+            with contextlib.suppress(KeyError):  # no stats were taken of this pool
                 gauge.remove(request.pool)
-            except KeyError:  # no stats were taken of this pool
-                pass
         return replay_pb2.DropPoolResponse(deleted_trajectories=deleted)
 
     def ExportPool(self, request, context) -> Iterator[replay_pb2.PoolChunk]:

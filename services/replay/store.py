@@ -33,7 +33,15 @@ import redis
 
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
-from services.replay.core import Candidate, Eviction, Strategy, choose, choose_uniform_indices, length_bucket, question_rng
+from services.replay.core import (
+    Candidate,
+    Eviction,
+    Strategy,
+    choose,
+    choose_uniform_indices,
+    length_bucket,
+    question_rng,
+)
 
 ROOT = "rlep:replay"
 
@@ -157,18 +165,32 @@ class RedisReplayStore:
             raise PoolNotFound(pool)
 
     def add(self, pool: str, items: Sequence[StoredTrajectory], questions: Sequence[replay_pb2.Question]) -> AddResult:
-        args: list[bytes | str | int | float] = [pool_prefix(pool), f"{ROOT}:pools", pool, self.capacity,
-                                                 self.eviction.value, len(questions)]
+        args: list[bytes | str | int | float] = [
+            pool_prefix(pool),
+            f"{ROOT}:pools",
+            pool,
+            self.capacity,
+            self.eviction.value,
+            len(questions),
+        ]
         for question in questions:
             args += [question.question_id, question.SerializeToString()]
         for item in items:
-            args += [item.question_id, item.trajectory_id, item.payload, repr(float(item.priority)),
-                     item.policy_version, item.tokens, length_bucket(item.tokens)]
+            args += [
+                item.question_id,
+                item.trajectory_id,
+                item.payload,
+                repr(float(item.priority)),
+                item.policy_version,
+                item.tokens,
+                length_bucket(item.tokens),
+            ]
         added, duplicate, evicted = self._add(args=args)
         return AddResult(int(added), int(duplicate), int(evicted))
 
-    def sample(self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy, seed: int,
-               min_version: int = 0) -> list[tuple[list[bytes], int]]:
+    def sample(
+        self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy, seed: int, min_version: int = 0
+    ) -> list[tuple[list[bytes], int]]:
         """Per question: (payloads of up to m distinct successes, successes available)."""
         self.require_pool(pool)
         prefix = pool_prefix(pool)
@@ -183,10 +205,12 @@ class RedisReplayStore:
             for qid, n in zip(question_ids, counts, strict=True)
         ]
 
-    def _sample_uniform(self, prefix: str, question_ids: Sequence[str], counts: list[int], m: int, seed: int,
-                        min_version: int) -> list[tuple[list[bytes], int]]:
-        picks = [choose_uniform_indices(n, m, question_rng(seed, qid)) for qid, n in zip(question_ids, counts,
-                                                                                        strict=True)]
+    def _sample_uniform(
+        self, prefix: str, question_ids: Sequence[str], counts: list[int], m: int, seed: int, min_version: int
+    ) -> list[tuple[list[bytes], int]]:
+        picks = [
+            choose_uniform_indices(n, m, question_rng(seed, qid)) for qid, n in zip(question_ids, counts, strict=True)
+        ]
         args: list[str | int] = [prefix, min_version]
         for qid, indices in zip(question_ids, picks, strict=True):
             for index in indices:
@@ -199,8 +223,9 @@ class RedisReplayStore:
             out.append((chunk, n))
         return out
 
-    def _sample_by_attributes(self, prefix: str, qid: str, m: int, strategy: Strategy, seed: int,
-                              min_version: int) -> list[bytes]:
+    def _sample_by_attributes(
+        self, prefix: str, qid: str, m: int, strategy: Strategy, seed: int, min_version: int
+    ) -> list[bytes]:
         qk = f"{prefix}:q:{qid}"
         pipe = self.client.pipeline(transaction=False)
         pipe.zrangebyscore(f"{qk}:ver", min_version, "+inf", withscores=True)
@@ -279,10 +304,13 @@ class RedisReplayStore:
             pipe.zcard(f"{prefix}:q:{qid.decode()}:ids")
         per_question = pipe.execute()
         used_memory = int(self.client.info("memory").get("used_memory", 0))
-        return {"meta": {k.decode(): v.decode() for k, v in meta.items()},
-                "versions": {int(k): int(v) for k, v in versions.items() if int(v) > 0},
-                "lengths": {k.decode(): int(v) for k, v in lengths.items() if int(v) > 0},
-                "per_question": [int(c) for c in per_question], "used_memory": used_memory}
+        return {
+            "meta": {k.decode(): v.decode() for k, v in meta.items()},
+            "versions": {int(k): int(v) for k, v in versions.items() if int(v) > 0},
+            "lengths": {k.decode(): int(v) for k, v in lengths.items() if int(v) > 0},
+            "per_question": [int(c) for c in per_question],
+            "used_memory": used_memory,
+        }
 
     def drop(self, pool: str) -> int:
         self.require_pool(pool)

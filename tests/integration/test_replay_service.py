@@ -15,9 +15,15 @@ pytestmark = pytest.mark.integration
 
 
 def success(qid: str, i: int, version: int = 0, tokens: int = 4) -> Trajectory:
-    return Trajectory(qid, f"solution {i} of {qid} \\boxed{{{i}}}", reward=1.0, source=Source.FRESH,
-                      verdict=Verdict.CORRECT, policy_version=version,
-                      response_token_ids=tuple(range(i, i + tokens)))
+    return Trajectory(
+        qid,
+        f"solution {i} of {qid} \\boxed{{{i}}}",
+        reward=1.0,
+        source=Source.FRESH,
+        verdict=Verdict.CORRECT,
+        policy_version=version,
+        response_token_ids=tuple(range(i, i + tokens)),
+    )
 
 
 def test_add_is_idempotent_and_reports_outcomes(replay_client, pool_name):
@@ -65,20 +71,29 @@ def test_prioritized_follows_priorities(replay_client, pool_name, replay):
     replay_client.add(pool_name, [success("q", i) for i in range(4)])
     favourite = success("q", 2)
     stub = replay_client.stub
-    reply = stub.UpdatePriorities(replay_pb2.UpdatePrioritiesRequest(pool=pool_name, updates=[
-        replay_pb2.PriorityUpdate(question_id="q", priority=0.001),
-        replay_pb2.PriorityUpdate(question_id="q", trajectory_id=favourite.id, priority=1000.0),
-        replay_pb2.PriorityUpdate(question_id="q", trajectory_id="f" * 64, priority=1.0),
-    ]), timeout=10)
+    reply = stub.UpdatePriorities(
+        replay_pb2.UpdatePrioritiesRequest(
+            pool=pool_name,
+            updates=[
+                replay_pb2.PriorityUpdate(question_id="q", priority=0.001),
+                replay_pb2.PriorityUpdate(question_id="q", trajectory_id=favourite.id, priority=1000.0),
+                replay_pb2.PriorityUpdate(question_id="q", trajectory_id="f" * 64, priority=1.0),
+            ],
+        ),
+        timeout=10,
+    )
     assert (reply.updated, reply.missing) == (5, 1)
-    picks = [replay_client.sample(pool_name, ["q"], m=1, strategy=Strategy.PRIORITIZED, seed=s)["q"][0]
-             for s in range(20)]
+    picks = [
+        replay_client.sample(pool_name, ["q"], m=1, strategy=Strategy.PRIORITIZED, seed=s)["q"][0] for s in range(20)
+    ]
     assert sum(p.response_text == favourite.response_text for p in picks) >= 18
 
 
 def test_diverse_prefers_dissimilar_responses(replay_client, pool_name):
-    near = [Trajectory("q", f"near {i}", 1.0, verdict=Verdict.CORRECT, response_token_ids=(1, 2, 3, 4, 5, 6 + i))
-            for i in range(4)]
+    near = [
+        Trajectory("q", f"near {i}", 1.0, verdict=Verdict.CORRECT, response_token_ids=(1, 2, 3, 4, 5, 6 + i))
+        for i in range(4)
+    ]
     far = Trajectory("q", "far", 1.0, verdict=Verdict.CORRECT, response_token_ids=(50, 51, 52, 53))
     replay_client.add(pool_name, [*near, far])
     for seed in range(5):
@@ -95,8 +110,9 @@ def test_capacity_evicts_oldest(replay_client, pool_name, replay):
 
 
 def test_stats_describe_the_pool(replay_client, pool_name):
-    replay_client.add(pool_name, [success(f"q{q}", i, version=q % 2, tokens=2 + i) for q in range(3)
-                                  for i in range(q + 1)])
+    replay_client.add(
+        pool_name, [success(f"q{q}", i, version=q % 2, tokens=2 + i) for q in range(3) for i in range(q + 1)]
+    )
     stats = replay_client.stats(pool_name)
     assert (stats.questions, stats.trajectories) == (3, 6)
     assert {b.label: b.count for b in stats.successes_per_question} == {"1": 1, "2": 1, "3": 1}
@@ -109,11 +125,18 @@ def test_stats_describe_the_pool(replay_client, pool_name):
 
 
 def test_export_then_import_gives_identical_pool(replay_client, pool_name):
-    questions = [replay_pb2.Question(question_id=f"q{q}", ground_truth=str(q), data_source="unit",
-                                     prompt=[replay_pb2.ChatMessage(role="user", content=f"what is {q}?")])
-                 for q in range(30)]
-    replay_client.add(pool_name, [success(f"q{q}", i, version=i) for q in range(30) for i in range(q % 4 + 1)],
-                      questions)
+    questions = [
+        replay_pb2.Question(
+            question_id=f"q{q}",
+            ground_truth=str(q),
+            data_source="unit",
+            prompt=[replay_pb2.ChatMessage(role="user", content=f"what is {q}?")],
+        )
+        for q in range(30)
+    ]
+    replay_client.add(
+        pool_name, [success(f"q{q}", i, version=i) for q in range(30) for i in range(q % 4 + 1)], questions
+    )
     chunks = list(replay_client.export(pool_name, questions_per_chunk=7))
     assert len(chunks) == 5
     copy = pool_name + "-copy"
@@ -123,8 +146,15 @@ def test_export_then_import_gives_identical_pool(replay_client, pool_name):
         reply = replay_client.import_chunks(chunks)
         assert reply.added == replay_client.stats(pool_name).trajectories and reply.rejected == 0
         original, imported = replay_client.stats(pool_name), replay_client.stats(copy)
-        for field in ("questions", "trajectories", "successes_per_question", "per_policy_version",
-                      "mean_response_tokens", "response_token_histogram", "payload_bytes"):
+        for field in (
+            "questions",
+            "trajectories",
+            "successes_per_question",
+            "per_policy_version",
+            "mean_response_tokens",
+            "response_token_histogram",
+            "payload_bytes",
+        ):
             assert getattr(original, field) == getattr(imported, field), field
         assert list(replay_client.export(copy, 7))[0].questions == chunks[0].questions
         qids = [f"q{q}" for q in range(30)]
@@ -170,12 +200,18 @@ def test_bad_trajectories_are_rejected_with_reasons(replay_client, pool_name, re
         trajectory_pb2.Trajectory(response_text="x", verdict=trajectory_pb2.CORRECT),
         trajectory_pb2.Trajectory(question_id="q", verdict=trajectory_pb2.CORRECT),
         trajectory_pb2.Trajectory(question_id="q", response_text="y" * 2_000_000, verdict=trajectory_pb2.CORRECT),
-        trajectory_pb2.Trajectory(question_id="q", response_text="z", verdict=trajectory_pb2.CORRECT,
-                                  response_token_ids=[1, 2], behavior_logprobs=[-0.1]),
+        trajectory_pb2.Trajectory(
+            question_id="q",
+            response_text="z",
+            verdict=trajectory_pb2.CORRECT,
+            response_token_ids=[1, 2],
+            behavior_logprobs=[-0.1],
+        ),
         trajectory_pb2.Trajectory(question_id="q" * 300, response_text="w", verdict=trajectory_pb2.CORRECT),
     ]
     reply = replay_client.stub.AddTrajectories(
-        replay_pb2.AddTrajectoriesRequest(pool=pool_name, trajectories=[good, *cases]), timeout=10)
+        replay_pb2.AddTrajectoriesRequest(pool=pool_name, trajectories=[good, *cases]), timeout=10
+    )
     assert (reply.added, reply.rejected) == (1, 5)
     reasons = [r.reason for r in reply.rejections]
     for phrase in ("missing question_id", "missing response_text", "oversize", "differ in length", "longer than"):

@@ -1,0 +1,160 @@
+"""`rlep pool ...`: inspect and move replay pools through a running replay service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+pool_app = typer.Typer(
+    help="Inspect, import, export and drop replay pools (talks to `rlep serve replay`).", no_args_is_help=True
+)
+
+AddressOpt = Annotated[str, typer.Option("--address", "-a", help="Replay service host:port.")]
+TokenOpt = Annotated[Path | None, typer.Option("--auth-token-file", help="Bearer token of the service.")]
+DEFAULT_ADDRESS = "127.0.0.1:50062"
+
+
+def _client(address: str, token_file: Path | None):
+    from services.replay.client import ReplayClient
+
+    token = token_file.read_text().strip() if token_file else None
+    return ReplayClient(address, token=token)
+
+
+def _fail_on_rpc_error(err) -> None:
+    typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+    raise typer.Exit(1)
+
+
+@pool_app.command("list")
+def list_pools(address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
+    """Names of the pools the service holds."""
+    import grpc
+
+    try:
+        with _client(address, auth_token_file) as client:
+            for name in client.list_pools():
+                typer.echo(name)
+    except grpc.RpcError as err:
+        _fail_on_rpc_error(err)
+
+
+@pool_app.command("stats")
+def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
+    """Questions, trajectories, per-question counts, lengths and versions of a pool, as tables."""
+    import grpc
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        with _client(address, auth_token_file) as client:
+            s = client.stats(pool)
+    except grpc.RpcError as err:
+        _fail_on_rpc_error(err)
+    console = Console()
+    summary = Table(title=f"pool {s.pool}", show_header=False)
+    for label, value in (
+        ("questions", s.questions),
+        ("trajectories", s.trajectories),
+        ("response tokens (mean ± std)", f"{s.mean_response_tokens:.1f} ± {s.std_response_tokens:.1f}"),
+        ("payload bytes", f"{s.payload_bytes:,}"),
+        ("redis used memory", f"{s.redis_used_memory_bytes:,}"),
+        ("capacity per question", s.capacity_per_question),
+        ("eviction", s.eviction),
+    ):
+        summary.add_row(label, str(value))
+    console.print(summary)
+    for title, buckets in (
+        ("successes per question", s.successes_per_question),
+        ("response tokens", s.response_token_histogram),
+        ("policy version", s.per_policy_version),
+    ):
+        table = Table(title=title)
+        table.add_column(title)
+        table.add_column("count", justify="right")
+        for bucket in buckets:
+            table.add_row(bucket.label, str(bucket.count))
+        console.print(table)
+
+
+@pool_app.command("import")
+def import_pool(
+    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="verl parquet with candidates")],
+    pool: Annotated[str, typer.Option("--pool", help="Pool to fill (created if new).")],
+    address: AddressOpt = DEFAULT_ADDRESS,
+    auth_token_file: TokenOpt = None,
+) -> None:
+    """Load RLEP's released pool format (reward_model.candidates) as successes."""
+    import grpc
+    import pyarrow.parquet as pq
+    from rich.progress import Progress
+
+    from services.replay.parquet_io import ROW_BATCH, read_pool_rows
+
+    rows = pq.ParquetFile(path).metadata.num_rows
+    with Progress() as progress, _client(address, auth_token_file) as client:
+        task = progress.add_task(f"importing {path.name}", total=rows)
+
+        def chunks():
+            for chunk in read_pool_rows(path, pool):
+                yield chunk
+                progress.advance(task, min(ROW_BATCH, len(chunk.questions)))
+
+        try:
+            reply = client.import_chunks(chunks())
+        except grpc.RpcError as err:
+            _fail_on_rpc_error(err)
+    typer.echo(
+        f"{pool}: added {reply.added}, duplicate {reply.duplicate}, rejected {reply.rejected}, evicted {reply.evicted}"
+    )
+
+
+@pool_app.command("export")
+def export_pool(
+    pool: str,
+    path: Annotated[Path, typer.Argument(dir_okay=False, help="parquet file to write")],
+    address: AddressOpt = DEFAULT_ADDRESS,
+    auth_token_file: TokenOpt = None,
+) -> None:
+    """Write a pool in RLEP's released format (one row per question, successes as candidates)."""
+    import grpc
+    from rich.progress import Progress
+
+    from services.replay.parquet_io import write_pool_rows
+
+    with Progress() as progress, _client(address, auth_token_file) as client:
+        try:
+            total = client.stats(pool).questions
+            task = progress.add_task(f"exporting {pool}", total=total)
+
+            def chunks():
+                for chunk in client.export(pool):
+                    yield chunk
+                    progress.advance(task, len(chunk.questions))
+
+            rows = write_pool_rows(chunks(), path)
+        except grpc.RpcError as err:
+            _fail_on_rpc_error(err)
+    typer.echo(f"wrote {rows} questions to {path}")
+
+
+@pool_app.command("drop")
+def drop(
+    pool: str,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    address: AddressOpt = DEFAULT_ADDRESS,
+    auth_token_file: TokenOpt = None,
+) -> None:
+    """Delete a pool and every trajectory in it."""
+    import grpc
+
+    if not yes:
+        typer.confirm(f"Delete pool {pool!r} and all its trajectories?", abort=True)
+    try:
+        with _client(address, auth_token_file) as client:
+            deleted = client.drop(pool, confirm=pool)
+    except grpc.RpcError as err:
+        _fail_on_rpc_error(err)
+    typer.echo(f"dropped {pool}: {deleted} trajectories")

@@ -1,0 +1,88 @@
+"""`rlep serve replay` on the embedded default (its own redis-server) driven by `rlep pool ...`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from rlep_common.dataset import question_id
+from rlep_common.grpc_utils import make_channel
+from services.replay.client import ReplayClient
+from tests.conftest import free_port
+from tests.integration.test_serve_cli import rlep_command, wait_serving
+
+pytestmark = pytest.mark.integration
+
+
+def make_pool_parquet(shared_data, path, rows: int = 40) -> list[dict]:
+    """A file in RLEP's released format: real DAPO-17k rows plus candidate solutions."""
+    table = pq.read_table(shared_data / "dapo_math_17k.parquet").slice(0, rows).to_pylist()
+    for i, row in enumerate(table):
+        gold = row["reward_model"]["ground_truth"]
+        row["reward_model"]["candidates"] = [
+            f"Attempt {k}: ... so the answer is \\boxed{{{gold}}}" for k in range(i % 3 + 1)
+        ]
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return table
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([*rlep_command(), *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def test_embedded_replay_with_pool_cli_round_trip(tmp_path, shared_data):
+    rows = make_pool_parquet(shared_data, tmp_path / "pool.parquet")
+    port = free_port()
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={tmp_path / 'redis'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(port)
+        candidates = sum(len(r["reward_model"]["candidates"]) for r in rows)
+        imported = run("pool", "import", str(tmp_path / "pool.parquet"), "--pool", "rlep-ref", "-a", address)
+        assert f"added {candidates}, duplicate 0, rejected 0" in imported.stdout
+        stats = run("pool", "stats", "rlep-ref", "-a", address).stdout
+        assert "│ questions" in stats and f"│ {candidates} " in stats
+        assert "rlep-ref" in run("pool", "list", "-a", address).stdout
+        run("pool", "export", "rlep-ref", str(tmp_path / "out.parquet"), "-a", address)
+        exported = {r["extra_info"]["question_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+        for row in rows:
+            qid = question_id(row["prompt"], row["data_source"])
+            out = exported[qid]
+            assert sorted(out["reward_model"]["candidates"]) == sorted(row["reward_model"]["candidates"])
+            assert out["reward_model"]["ground_truth"] == row["reward_model"]["ground_truth"]
+            assert out["prompt"] == row["prompt"] and out["data_source"] == "DAPO-17k"
+        again = run("pool", "import", str(tmp_path / "out.parquet"), "--pool", "rlep-copy", "-a", address)
+        assert f"added {candidates}," in again.stdout
+        with ReplayClient(address) as client:
+            ref, copy = client.stats("rlep-ref"), client.stats("rlep-copy")
+        # payload bytes differ by design: each import records its file name as the run id
+        for field in ("questions", "trajectories", "successes_per_question", "response_token_histogram"):
+            assert getattr(ref, field) == getattr(copy, field), field
+        missing = run("pool", "stats", "nope", "-a", address, check=False)
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+        database = ProtoReflectionDescriptorDatabase(make_channel(address))  # what grpcurl does
+        assert "rlep.replay.v1.ReplayBuffer" in database.get_services()
+        service = database.FindFileContainingSymbol("rlep.replay.v1.ReplayBuffer").service[0]
+        assert {"AddTrajectories", "Sample", "GetPoolStats", "ExportPool", "ImportPool"} <= {
+            m.name for m in service.method
+        }
+        assert (
+            run("pool", "drop", "rlep-copy", "--yes", "-a", address).stdout
+            == f"dropped rlep-copy: {candidates} trajectories\n"
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
+    assert (tmp_path / "redis" / "appendonlydir").exists() or list((tmp_path / "redis").glob("*.aof"))
