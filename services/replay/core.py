@@ -47,14 +47,38 @@ def check_pool_name(pool: str) -> None:
         raise ValueError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
 
 
+def _question_digest(seed: int, question_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{question_id}".encode()).digest()[:8], "big")
+
+
 def question_rng(seed: int, question_id: str) -> random.Random:
-    digest = hashlib.sha256(f"{seed}\0{question_id}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
+    return random.Random(_question_digest(seed, question_id))
 
 
-def choose_uniform_indices(available: int, m: int, rng: random.Random) -> list[int]:
-    """Indices of min(m, available) distinct picks among `available` items, O(m)."""
-    return rng.sample(range(available), min(m, available))
+# Uniform sampling runs inside Redis (one Lua call per step), so its generator must be one that
+# Lua's doubles compute exactly: Park-Miller's minimal standard LCG (products stay below 2^53).
+PARK_MILLER_MODULUS = 2_147_483_647
+PARK_MILLER_MULTIPLIER = 48_271
+
+
+def question_stream_seed(seed: int, question_id: str) -> int:
+    """The LCG state a question starts from, in 1..2^31-2."""
+    return _question_digest(seed, question_id) % (PARK_MILLER_MODULUS - 1) + 1
+
+
+def choose_uniform_indices(available: int, m: int, stream_seed: int) -> list[int]:
+    """min(m, available) distinct indices in 0..available-1, uniformly, O(m).
+
+    A partial Fisher-Yates shuffle over a virtual identity array, driven by Park-Miller. This is
+    the reference of the Lua twin in `services.replay.store` (a test checks they agree).
+    """
+    state, swapped, picks = stream_seed, {}, []
+    for i in range(min(m, available)):
+        state = state * PARK_MILLER_MULTIPLIER % PARK_MILLER_MODULUS
+        j = i + state % (available - i)
+        picks.append(swapped.get(j, j))
+        swapped[j] = swapped.get(i, i)
+    return picks
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ its Lua scripts stay valid on a cluster):
     rlep:replay:{P}:q:<qid>:prio           ZSET  trajectory id, score = priority
 
 Adds run in one Lua script per request, so a request is applied whole or not at all and a
-duplicate is detected atomically. Uniform sampling counts each question's successes (ZCOUNT),
-draws indices in Python, and reads exactly those M entries (ZRANGEBYSCORE ... LIMIT i 1 + HGET)
-in a second script: two round trips per step, O(M log n) per question.
+duplicate is detected atomically. Uniform sampling of a whole step is one Lua call: per question
+it counts the successes, draws M distinct indices with a seeded LCG and reads exactly those
+entries (ZRANGE by rank + HGET): one round trip per step, O(M log n) per question.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from services.replay.core import (
     Eviction,
     Strategy,
     choose,
-    choose_uniform_indices,
     length_bucket,
     question_rng,
+    question_stream_seed,
 )
 
 ROOT = "rlep:replay"
@@ -107,14 +107,34 @@ end
 return {added, duplicate, evicted}
 """
 
-# ARGV: prefix, min_version, then (qid, index) pairs -> one payload (or false) per pair.
-FETCH_BY_INDEX_SCRIPT = """
-local p, min_version = ARGV[1], ARGV[2]
+# Uniform sampling for a whole step in one call. ARGV: prefix, pools key, pool, min_version, m,
+# then (question id, LCG seed) pairs. Returns {-1} for an unknown pool, else per question:
+# available, picked, payload... The index draw mirrors core.choose_uniform_indices exactly.
+SAMPLE_UNIFORM_SCRIPT = """
+local p, pools_key, pool = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('SISMEMBER', pools_key, pool) == 0 then return {-1} end
+local min_version, m = tonumber(ARGV[4]), tonumber(ARGV[5])
 local out = {}
-for i = 3, #ARGV, 2 do
-  local qk = p .. ':q:' .. ARGV[i]
-  local tid = redis.call('ZRANGEBYSCORE', qk .. ':ver', min_version, '+inf', 'LIMIT', ARGV[i + 1], 1)[1]
-  out[#out + 1] = tid and redis.call('HGET', qk .. ':data', tid) or false
+for a = 6, #ARGV, 2 do
+  local key = p .. ':q:' .. ARGV[a] .. ':ver'
+  local n = min_version > 0 and redis.call('ZCOUNT', key, min_version, '+inf') or redis.call('ZCARD', key)
+  local k = math.min(m, n)
+  out[#out + 1] = n
+  out[#out + 1] = k
+  local state, swapped = tonumber(ARGV[a + 1]), {}
+  for i = 0, k - 1 do
+    state = (state * 48271) % 2147483647
+    local j = i + state % (n - i)
+    local index = swapped[j] or j
+    swapped[j] = swapped[i] or i
+    local tid
+    if min_version > 0 then
+      tid = redis.call('ZRANGEBYSCORE', key, min_version, '+inf', 'LIMIT', index, 1)[1]
+    else
+      tid = redis.call('ZRANGE', key, index, index)[1]
+    end
+    out[#out + 1] = redis.call('HGET', p .. ':q:' .. ARGV[a] .. ':data', tid)
+  end
 end
 return out
 """
@@ -155,7 +175,7 @@ class RedisReplayStore:
         self.capacity = capacity_per_question
         self.eviction = eviction
         self._add = client.register_script(ADD_SCRIPT)
-        self._fetch = client.register_script(FETCH_BY_INDEX_SCRIPT)
+        self._sample_uniform_script = client.register_script(SAMPLE_UNIFORM_SCRIPT)
 
     def pools(self) -> list[str]:
         return sorted(m.decode() for m in self.client.smembers(f"{ROOT}:pools"))
@@ -192,35 +212,33 @@ class RedisReplayStore:
         self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy, seed: int, min_version: int = 0
     ) -> list[tuple[list[bytes], int]]:
         """Per question: (payloads of up to m distinct successes, successes available)."""
+        if strategy == Strategy.UNIFORM:
+            return self._sample_uniform(pool, question_ids, m, seed, min_version)
         self.require_pool(pool)
         prefix = pool_prefix(pool)
-        counts_pipe = self.client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         for qid in question_ids:
-            counts_pipe.zcount(f"{prefix}:q:{qid}:ver", min_version, "+inf")
-        counts = [int(c) for c in counts_pipe.execute()]
-        if strategy == Strategy.UNIFORM:
-            return self._sample_uniform(prefix, question_ids, counts, m, seed, min_version)
+            pipe.zcount(f"{prefix}:q:{qid}:ver", min_version, "+inf")
+        counts = [int(c) for c in pipe.execute()]
         return [
             (self._sample_by_attributes(prefix, qid, m, strategy, seed, min_version) if n else [], n)
             for qid, n in zip(question_ids, counts, strict=True)
         ]
 
     def _sample_uniform(
-        self, prefix: str, question_ids: Sequence[str], counts: list[int], m: int, seed: int, min_version: int
+        self, pool: str, question_ids: Sequence[str], m: int, seed: int, min_version: int
     ) -> list[tuple[list[bytes], int]]:
-        picks = [
-            choose_uniform_indices(n, m, question_rng(seed, qid)) for qid, n in zip(question_ids, counts, strict=True)
-        ]
-        args: list[str | int] = [prefix, min_version]
-        for qid, indices in zip(question_ids, picks, strict=True):
-            for index in indices:
-                args += [qid, index]
-        payloads = self._fetch(args=args) if len(args) > 2 else []
+        args: list[str | int] = [pool_prefix(pool), f"{ROOT}:pools", pool, min_version, m]
+        for qid in question_ids:
+            args += [qid, question_stream_seed(seed, qid)]
+        flat = self._sample_uniform_script(args=args)
+        if flat and flat[0] == -1:
+            raise PoolNotFound(pool)
         out, cursor = [], 0
-        for indices, n in zip(picks, counts, strict=True):
-            chunk = [p for p in payloads[cursor : cursor + len(indices)] if p]
-            cursor += len(indices)
-            out.append((chunk, n))
+        for _ in question_ids:
+            available, picked = int(flat[cursor]), int(flat[cursor + 1])
+            out.append((flat[cursor + 2 : cursor + 2 + picked], available))
+            cursor += 2 + picked
         return out
 
     def _sample_by_attributes(

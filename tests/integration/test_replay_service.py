@@ -244,3 +244,14 @@ def test_wrong_token_is_unauthenticated(replay):
     stub = replay_pb2_grpc.ReplayBufferStub(make_channel(f"127.0.0.1:{replay.port}", "wrong"))
     code, _ = _abort_code(stub.ListPools, replay_pb2.ListPoolsRequest())
     assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_lua_uniform_draw_matches_its_python_reference(replay_client, pool_name):
+    from services.replay.core import choose_uniform_indices, question_stream_seed
+
+    batch = [success("q", i) for i in range(7)]
+    replay_client.add(pool_name, batch)
+    by_rank = sorted(t.id for t in batch)  # one policy version: Redis orders the ZSET by member
+    for seed in range(10):
+        expected = [by_rank[i] for i in choose_uniform_indices(7, 3, question_stream_seed(seed, "q"))]
+        assert [t.id for t in replay_client.sample(pool_name, ["q"], m=3, seed=seed)["q"]] == expected

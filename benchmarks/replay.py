@@ -1,0 +1,163 @@
+"""Replay sampling: one training step's Sample through the service vs the same reads with redis-py.
+
+Fills a pool with Q questions x S successes (~1 KB responses) through the service (measuring add
+throughput), then for each of --steps steps draws 512 random questions and samples M=2 each:
+(a) through the gRPC service (the Sample RPC, response parsed into protobuf messages), and (b)
+directly with redis-py pipelines doing the same reads (count per question, the chosen index's id,
+its payload, as raw bytes), interleaved step by step in one run. The typed client's further
+conversion into dataclasses is timed separately. Prints trajectories/s of each, their ratio (goal >= 0.8) and
+the service's p50/p99 step latency (goal p99 <= 20 ms on loopback).
+
+    python benchmarks/replay.py [--questions 17000] [--per-question 8] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STEP_QUESTIONS = 512
+FILLER = "Let x be the unknown. Expanding both sides and collecting terms gives a quadratic in x. "
+
+
+def make_batch(questions: range, per_question: int):
+    from rlep_common.types import Trajectory, Verdict
+
+    return [
+        Trajectory(
+            f"q{q}",
+            f"[{q}.{k}] " + FILLER * 11 + f"\\boxed{{{q + k}}}",
+            1.0,
+            verdict=Verdict.CORRECT,
+            policy_version=k % 3,
+            response_token_ids=tuple(range(k, k + 64)),
+        )
+        for q in questions
+        for k in range(per_question)
+    ]
+
+
+def raw_sample(client, prefix: str, question_ids: list[str], m: int, seed: int) -> int:
+    """The same reads as the service, with plain redis-py pipelines; returns trajectories read."""
+    from services.replay.core import choose_uniform_indices, question_stream_seed
+
+    pipe = client.pipeline(transaction=False)
+    for qid in question_ids:
+        pipe.zcount(f"{prefix}:q:{qid}:ver", 0, "+inf")
+    counts = pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    picks = []
+    for qid, n in zip(question_ids, counts, strict=True):
+        for index in choose_uniform_indices(int(n), m, question_stream_seed(seed, qid)):
+            pipe.zrange(f"{prefix}:q:{qid}:ver", index, index)
+            picks.append(qid)
+    ids = pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for qid, found in zip(picks, ids, strict=True):
+        pipe.hget(f"{prefix}:q:{qid}:data", found[0])
+    return sum(p is not None for p in pipe.execute())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=17_000)
+    parser.add_argument("--per-question", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--m", type=int, default=2)
+    args = parser.parse_args()
+
+    import redis
+
+    from rlep.replay.v1 import replay_pb2
+    from rlep_common.config import ServerConfig
+    from rlep_common.redis_server import start_local_redis
+    from services.replay.client import ReplayClient
+    from services.replay.config import ReplayConfig
+    from services.replay.main import start_replay
+    from services.replay.store import pool_prefix
+
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        local = start_local_redis(Path(tmp), appendfsync="everysec")
+        running = start_replay(ReplayConfig(server=ServerConfig(port=0), redis_url=local.url))
+        raw = redis.Redis.from_url(local.url)
+        try:
+            with ReplayClient(f"127.0.0.1:{running.port}") as client:
+                added, add_seconds = 0, 0.0
+                batch_questions = max(1, 4096 // args.per_question)
+                with Progress(console=console) as progress:
+                    task = progress.add_task("filling the pool", total=args.questions)
+                    for start in range(0, args.questions, batch_questions):
+                        chunk = range(start, min(start + batch_questions, args.questions))
+                        batch = make_batch(chunk, args.per_question)
+                        started = time.perf_counter()
+                        added += client.add("bench", batch).added
+                        add_seconds += time.perf_counter() - started
+                        progress.advance(task, len(chunk))
+                rng = random.Random(0)
+                service_s, raw_s, latencies, typed = 0.0, 0.0, [], []
+                service_n = raw_n = 0
+                for step in range(args.steps + 5):
+                    qids = [f"q{q}" for q in rng.sample(range(args.questions), STEP_QUESTIONS)]
+                    request = replay_pb2.SampleRequest(pool="bench", question_ids=qids, m=args.m, seed=step)
+                    started = time.perf_counter()
+                    reply = client.stub.Sample(request, timeout=30)
+                    elapsed = time.perf_counter() - started
+                    started = time.perf_counter()
+                    client.sample("bench", qids, args.m, seed=step)
+                    typed.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    raw_count = raw_sample(raw, pool_prefix("bench"), qids, args.m, seed=step)
+                    raw_elapsed = time.perf_counter() - started
+                    if step >= 5:  # warm-up steps are not counted
+                        latencies.append(elapsed)
+                        service_s += elapsed
+                        raw_s += raw_elapsed
+                        service_n += sum(len(s.trajectories) for s in reply.samples)
+                        raw_n += raw_count
+        finally:
+            running.stop()
+            local.stop()
+    service_rate, raw_rate = service_n / service_s, raw_n / raw_s
+    p50 = statistics.median(latencies) * 1000
+    p99 = statistics.quantiles(latencies, n=100)[98] * 1000
+    table = Table(
+        title=f"replay: {args.questions} questions x {args.per_question}, steps of {STEP_QUESTIONS} x M={args.m}"
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("add throughput (service)", f"{added / add_seconds:,.0f} trajectories/s")
+    table.add_row("sample throughput, service", f"{service_rate:,.0f} trajectories/s")
+    table.add_row("sample throughput, raw redis-py", f"{raw_rate:,.0f} trajectories/s")
+    table.add_row("ratio service / raw  [goal >= 0.8]", f"{service_rate / raw_rate:.3f}")
+    table.add_row("step latency p50 / p99  [goal p99 <= 20 ms]", f"{p50:.1f} / {p99:.1f} ms")
+    table.add_row("typed client step (RPC + dataclasses), p50", f"{statistics.median(typed) * 1000:.1f} ms")
+    console.print(table)
+    print(
+        json.dumps(
+            {
+                "add_per_s": added / add_seconds,
+                "service_per_s": service_rate,
+                "raw_per_s": raw_rate,
+                "ratio": service_rate / raw_rate,
+                "p50_ms": p50,
+                "p99_ms": p99,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Replay sampling logic without Redis: index draws, strategies, buckets, question ids."""
+
+from collections import Counter
+
+import pytest
+
+from rlep_common.dataset import question_id
+from services.replay.core import (
+    Candidate,
+    Strategy,
+    check_pool_name,
+    choose,
+    choose_uniform_indices,
+    length_bucket,
+    question_rng,
+    question_stream_seed,
+)
+
+
+def test_uniform_indices_are_distinct_in_range_and_uniform():
+    counts = Counter()
+    for seed in range(6000):
+        picks = choose_uniform_indices(6, 2, question_stream_seed(seed, "q"))
+        assert len(set(picks)) == 2 and all(0 <= i < 6 for i in picks)
+        counts.update(picks)
+    assert max(counts.values()) / min(counts.values()) < 1.1  # each index ~2000 times
+    assert sorted(choose_uniform_indices(3, 10, 5)) == [0, 1, 2]
+    assert choose_uniform_indices(0, 2, 5) == []
+
+
+def test_stream_seed_depends_on_seed_and_question():
+    assert question_stream_seed(1, "a") == question_stream_seed(1, "a")
+    assert len({question_stream_seed(s, q) for s in range(20) for q in "abc"}) == 60
+
+
+def test_recency_takes_newest_versions():
+    candidates = [Candidate(f"t{i}", policy_version=v) for i, v in enumerate([3, 9, 1, 9, 5])]
+    assert choose(candidates, 3, Strategy.RECENCY, question_rng(0, "q")) == ["t1", "t3", "t4"]
+
+
+def test_prioritized_is_proportional_to_priority():
+    candidates = [Candidate("heavy", priority=9.0), Candidate("light", priority=1.0)]
+    firsts = Counter(choose(candidates, 1, Strategy.PRIORITIZED, question_rng(s, "q"))[0] for s in range(4000))
+    assert 0.87 < firsts["heavy"] / 4000 < 0.93
+
+
+def test_diverse_picks_the_outlier_second():
+    near = [Candidate(f"n{i}", tokens=frozenset({1, 2, 3, 4 + i})) for i in range(3)]
+    far = Candidate("far", tokens=frozenset({90, 91}))
+    for seed in range(10):
+        picked = choose([*near, far], 2, Strategy.DIVERSE, question_rng(seed, "q"))
+        assert "far" in picked and len(set(picked)) == 2
+
+
+def test_uniform_is_not_attribute_based():
+    with pytest.raises(ValueError, match="index-based"):
+        choose([Candidate("a")], 1, Strategy.UNIFORM, question_rng(0, "q"))
+
+
+@pytest.mark.parametrize(("tokens", "label"), [(0, "0"), (1, "1"), (2, "2-3"), (3, "2-3"), (300, "256-511")])
+def test_length_bucket(tokens, label):
+    assert length_bucket(tokens) == label
+
+
+def test_pool_names_and_question_ids():
+    check_pool_name("run-1.phase_2")
+    with pytest.raises(ValueError, match="must match"):
+        check_pool_name("a b")
+    prompt = [{"role": "user", "content": "What is 1+1?"}]
+    assert question_id(prompt, "DAPO-17k") == question_id([dict(prompt[0])], "DAPO-17k")
+    assert question_id(prompt, "DAPO-17k") != question_id(prompt, "other")
+    assert len(question_id(prompt)) == 24
