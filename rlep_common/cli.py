@@ -32,6 +32,12 @@ SERVICES: dict[str, tuple[str, str]] = {
 }
 
 
+SERVICE_HELP = {
+    "verifier": "math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts.",
+    "replay": "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
+}
+
+
 def _load(ref: str) -> Any:
     module, attr = ref.split(":")
     return getattr(importlib.import_module(module), attr)
@@ -92,32 +98,25 @@ def _serve(
     _load(SERVICES[service][1])(resolved)
 
 
-@serve_app.command("verifier")
-def serve_verifier(
-    config: ConfigOpt = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
-    auth_token_file: TokenOpt = None,
-    metrics_port: MetricsOpt = None,
-    set_: SetOpt = None,
-    dry_run: DryRunOpt = False,
-) -> None:
-    """math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts."""
-    _serve("verifier", config, host, port, auth_token_file, metrics_port, set_, dry_run)
+def _add_serve_command(service: str, help_text: str) -> None:
+    """One `rlep serve <service>` command; every service takes the same flags."""
+
+    def command(
+        config: ConfigOpt = None,
+        host: HostOpt = None,
+        port: PortOpt = None,
+        auth_token_file: TokenOpt = None,
+        metrics_port: MetricsOpt = None,
+        set_: SetOpt = None,
+        dry_run: DryRunOpt = False,
+    ) -> None:
+        _serve(service, config, host, port, auth_token_file, metrics_port, set_, dry_run)
+
+    serve_app.command(service, help=help_text)(command)
 
 
-@serve_app.command("replay")
-def serve_replay(
-    config: ConfigOpt = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
-    auth_token_file: TokenOpt = None,
-    metrics_port: MetricsOpt = None,
-    set_: SetOpt = None,
-    dry_run: DryRunOpt = False,
-) -> None:
-    """The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url."""
-    _serve("replay", config, host, port, auth_token_file, metrics_port, set_, dry_run)
+for _service, _help in SERVICE_HELP.items():
+    _add_serve_command(_service, _help)
 
 
 @proto_app.command("gen")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 from dataclasses import dataclass
 
 import grpc
@@ -11,6 +9,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
+from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
 from rlep_common.metrics import MetricsServer
 from rlep_common.redis_server import LocalRedis, start_local_redis
 from services.replay.config import ReplayConfig
@@ -55,11 +54,7 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
     server, port, _ = build_server(
         config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
     )
-    metrics_server = None
-    if config.server.metrics_port is not None:
-        metrics_server = MetricsServer(
-            registry, config.server.host, config.server.metrics_port, config.server.read_auth_token()
-        )
+    metrics_server = start_metrics(registry, config.server)
     return RunningReplay(server, port, store, metrics_server, local)
 
 
@@ -70,8 +65,5 @@ def serve_forever(config: ReplayConfig) -> None:
         f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_stop_signal()
     running.stop()

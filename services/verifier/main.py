@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
+from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
 from rlep_common.metrics import MetricsServer
 from services.verifier.config import VerifierConfig
 from services.verifier.core import CheckOptions
@@ -55,11 +54,7 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
     server, port, _ = build_server(
         config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
     )
-    metrics_server = None
-    if config.server.metrics_port is not None:
-        metrics_server = MetricsServer(
-            registry, config.server.host, config.server.metrics_port, config.server.read_auth_token()
-        )
+    metrics_server = start_metrics(registry, config.server)
     return RunningVerifier(server, port, pool, metrics_server)
 
 
@@ -72,8 +67,5 @@ def serve_forever(config: VerifierConfig) -> None:
         f" metrics={running.metrics_port} workers={config.num_workers}",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_stop_signal()
     running.stop()

@@ -1,0 +1,26 @@
+"""What every service's main does around its own wiring: the metrics endpoint and waiting for a stop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from rlep_common.config import ServerConfig
+from rlep_common.metrics import MetricsServer
+
+
+def start_metrics(registry: CollectorRegistry, config: ServerConfig) -> MetricsServer | None:
+    """Serves `registry` on the configured metrics port (same host, same token), or nothing."""
+    if config.metrics_port is None:
+        return None
+    return MetricsServer(registry, config.host, config.metrics_port, config.read_auth_token())
+
+
+def wait_for_stop_signal() -> None:
+    """Blocks until SIGINT or SIGTERM (Ctrl-C, `kill`, Kubernetes shutting the pod down)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
