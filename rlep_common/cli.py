@@ -10,7 +10,7 @@ import importlib
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
@@ -25,16 +25,26 @@ app.add_typer(serve_app, name="serve")
 app.add_typer(proto_app, name="proto")
 app.add_typer(pool_app, name="pool")
 
-# service -> (config class, blocking serve function), imported lazily.
-SERVICES: dict[str, tuple[str, str]] = {
-    "verifier": ("services.verifier.config:VerifierConfig", "services.verifier.main:serve_forever"),
-    "replay": ("services.replay.config:ReplayConfig", "services.replay.main:serve_forever"),
-}
+
+class ServiceEntry(NamedTuple):
+    """What `rlep serve <service>` needs; module paths are imported only when the command runs."""
+
+    config_class: str
+    serve_forever: str
+    help: str
 
 
-SERVICE_HELP = {
-    "verifier": "math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts.",
-    "replay": "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
+SERVICES: dict[str, ServiceEntry] = {
+    "verifier": ServiceEntry(
+        "services.verifier.config:VerifierConfig",
+        "services.verifier.main:serve_forever",
+        "math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts.",
+    ),
+    "replay": ServiceEntry(
+        "services.replay.config:ReplayConfig",
+        "services.replay.main:serve_forever",
+        "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
+    ),
 }
 
 
@@ -73,7 +83,7 @@ def _resolve(
         "server.metrics_port": metrics_port,
     }
     overrides.update({k: (str(v) if isinstance(v, Path) else v) for k, v in flags.items() if v is not None})
-    config_cls = _load(SERVICES[service][0])
+    config_cls = _load(SERVICES[service].config_class)
     return load_config(config_cls, config, overrides, env_prefix=service)
 
 
@@ -95,7 +105,7 @@ def _serve(
         typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _load(SERVICES[service][1])(resolved)
+    _load(SERVICES[service].serve_forever)(resolved)
 
 
 def _add_serve_command(service: str, help_text: str) -> None:
@@ -115,8 +125,8 @@ def _add_serve_command(service: str, help_text: str) -> None:
     serve_app.command(service, help=help_text)(command)
 
 
-for _service, _help in SERVICE_HELP.items():
-    _add_serve_command(_service, _help)
+for _service, _entry in SERVICES.items():
+    _add_serve_command(_service, _entry.help)
 
 
 @proto_app.command("gen")

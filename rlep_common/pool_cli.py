@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -23,36 +25,34 @@ def _client(address: str, token_file: Path | None):
     return ReplayClient(address, token=token)
 
 
-def _fail_on_rpc_error(err) -> None:
-    typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
-    raise typer.Exit(1)
+@contextlib.contextmanager
+def _rpc_errors_exit() -> Iterator[None]:
+    """Turns a failed RPC into a one-line message and exit code 1 instead of a traceback."""
+    import grpc
+
+    try:
+        yield
+    except grpc.RpcError as err:
+        typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+        raise typer.Exit(1) from None
 
 
 @pool_app.command("list")
 def list_pools(address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
     """Names of the pools the service holds."""
-    import grpc
-
-    try:
-        with _client(address, auth_token_file) as client:
-            for name in client.list_pools():
-                typer.echo(name)
-    except grpc.RpcError as err:
-        _fail_on_rpc_error(err)
+    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+        for name in client.list_pools():
+            typer.echo(name)
 
 
 @pool_app.command("stats")
 def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
     """Questions, trajectories, per-question counts, lengths and versions of a pool, as tables."""
-    import grpc
     from rich.console import Console
     from rich.table import Table
 
-    try:
-        with _client(address, auth_token_file) as client:
-            s = client.stats(pool)
-    except grpc.RpcError as err:
-        _fail_on_rpc_error(err)
+    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+        s = client.stats(pool)
     console = Console()
     summary = Table(title=f"pool {s.pool}", show_header=False)
     for label, value in (
@@ -87,14 +87,13 @@ def import_pool(
     auth_token_file: TokenOpt = None,
 ) -> None:
     """Load RLEP's released pool format (reward_model.candidates) as successes."""
-    import grpc
     import pyarrow.parquet as pq
     from rich.progress import Progress
 
     from services.replay.parquet_io import ROW_BATCH, read_pool_rows
 
     rows = pq.ParquetFile(path).metadata.num_rows
-    with Progress() as progress, _client(address, auth_token_file) as client:
+    with _rpc_errors_exit(), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"importing {path.name}", total=rows)
 
         def chunks():
@@ -102,10 +101,7 @@ def import_pool(
                 yield chunk
                 progress.advance(task, min(ROW_BATCH, len(chunk.questions)))
 
-        try:
-            reply = client.import_chunks(chunks())
-        except grpc.RpcError as err:
-            _fail_on_rpc_error(err)
+        reply = client.import_chunks(chunks())
     typer.echo(
         f"{pool}: added {reply.added}, duplicate {reply.duplicate}, rejected {reply.rejected}, evicted {reply.evicted}"
     )
@@ -119,24 +115,19 @@ def export_pool(
     auth_token_file: TokenOpt = None,
 ) -> None:
     """Write a pool in RLEP's released format (one row per question, successes as candidates)."""
-    import grpc
     from rich.progress import Progress
 
     from services.replay.parquet_io import write_pool_rows
 
-    with Progress() as progress, _client(address, auth_token_file) as client:
-        try:
-            total = client.stats(pool).questions
-            task = progress.add_task(f"exporting {pool}", total=total)
+    with _rpc_errors_exit(), Progress() as progress, _client(address, auth_token_file) as client:
+        task = progress.add_task(f"exporting {pool}", total=client.stats(pool).questions)
 
-            def chunks():
-                for chunk in client.export(pool):
-                    yield chunk
-                    progress.advance(task, len(chunk.questions))
+        def chunks():
+            for chunk in client.export(pool):
+                yield chunk
+                progress.advance(task, len(chunk.questions))
 
-            rows = write_pool_rows(chunks(), path)
-        except grpc.RpcError as err:
-            _fail_on_rpc_error(err)
+        rows = write_pool_rows(chunks(), path)
     typer.echo(f"wrote {rows} questions to {path}")
 
 
@@ -148,13 +139,8 @@ def drop(
     auth_token_file: TokenOpt = None,
 ) -> None:
     """Delete a pool and every trajectory in it."""
-    import grpc
-
     if not yes:
         typer.confirm(f"Delete pool {pool!r} and all its trajectories?", abort=True)
-    try:
-        with _client(address, auth_token_file) as client:
-            deleted = client.drop(pool, confirm=pool)
-    except grpc.RpcError as err:
-        _fail_on_rpc_error(err)
+    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+        deleted = client.drop(pool, confirm=pool)
     typer.echo(f"dropped {pool}: {deleted} trajectories")

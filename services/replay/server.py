@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -64,29 +65,36 @@ class ReplayMetrics:
         )
 
 
+@contextlib.contextmanager
+def _status_for_errors(metrics: ReplayMetrics, context: grpc.ServicerContext, method: str) -> Iterator[None]:
+    """Maps store errors to gRPC codes and counts every call by method and status."""
+    code = grpc.StatusCode.OK
+    try:
+        yield
+    except PoolNotFound as err:
+        code = grpc.StatusCode.NOT_FOUND
+        context.abort(code, f"unknown pool {err.args[0]!r}")
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        metrics.redis_errors.inc()
+        code = grpc.StatusCode.UNAVAILABLE
+        context.abort(code, f"Redis unavailable ({type(err).__name__}); retry: nothing was written")
+    except ValueError as err:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        context.abort(code, str(err))
+    except Exception:
+        code = context.code() or grpc.StatusCode.UNKNOWN
+        raise
+    finally:
+        metrics.requests.labels(method, code.name).inc()
+
+
 def rpc(method):
-    """Maps store errors to gRPC codes and counts every call by status."""
+    """Runs a unary-response handler under `_status_for_errors`."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        code = grpc.StatusCode.OK
-        try:
+        with _status_for_errors(self.metrics, context, method.__name__):
             return method(self, request, context)
-        except PoolNotFound as err:
-            code = grpc.StatusCode.NOT_FOUND
-            context.abort(code, f"unknown pool {err.args[0]!r}")
-        except (redis.ConnectionError, redis.TimeoutError) as err:
-            self.metrics.redis_errors.inc()
-            code = grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"Redis unavailable ({type(err).__name__}); retry: nothing was written")
-        except ValueError as err:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(err))
-        except Exception:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            raise
-        finally:
-            self.metrics.requests.labels(method.__name__, code.name).inc()
 
     return wrapper
 
@@ -95,7 +103,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
     def __init__(self, store: RedisReplayStore, config: ReplayConfig, metrics: ReplayMetrics):
         self.store, self.config, self.metrics = store, config, metrics
 
-    def _validate(self, index: int, traj: trajectory_pb2.Trajectory) -> str | None:
+    def _validate(self, traj: trajectory_pb2.Trajectory) -> str | None:
         """Why a trajectory cannot be stored, or None."""
         if not traj.question_id:
             return "missing question_id"
@@ -120,7 +128,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         reply = replay_pb2.AddTrajectoriesResponse()
         items = []
         for index, traj in enumerate(trajectories):
-            reason = self._validate(index, traj)
+            reason = self._validate(traj)
             if reason:
                 reply.rejections.add(index=index, reason=reason)
                 continue
@@ -209,9 +217,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         tokens_sum, tokens_sq = int(meta.get("tokens_sum", 0)), int(meta.get("tokens_sq_sum", 0))
         mean = tokens_sum / total if total else 0.0
         var = max(tokens_sq / total - mean * mean, 0.0) if total else 0.0
-        histogram: dict[int, int] = {}
-        for count in raw["per_question"]:
-            histogram[count] = histogram.get(count, 0) + 1
+        histogram = collections.Counter(raw["per_question"])  # successes per question -> questions
         stats = replay_pb2.PoolStats(
             pool=request.pool,
             questions=len(raw["per_question"]),
@@ -249,7 +255,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         return replay_pb2.DropPoolResponse(deleted_trajectories=deleted)
 
     def ExportPool(self, request, context) -> Iterator[replay_pb2.PoolChunk]:
-        try:
+        # A generator: errors surface while the stream is consumed, so the mapping wraps the loop.
+        with _status_for_errors(self.metrics, context, "ExportPool"):
             check_pool_name(request.pool)
             batch = request.questions_per_chunk or 256
             for questions, payload_lists in self.store.iter_questions(request.pool, batch):
@@ -260,13 +267,6 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
                     for payload in payloads:
                         chunk.trajectories.add().MergeFromString(payload)
                 yield chunk
-        except PoolNotFound:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {request.pool!r}")
-        except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except (redis.ConnectionError, redis.TimeoutError):
-            self.metrics.redis_errors.inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, "Redis unavailable; retry the export")
 
     @rpc
     def ImportPool(self, request_iterator, context):

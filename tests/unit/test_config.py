@@ -18,7 +18,7 @@ def test_every_config_file_parses():
     for path in files:
         service = path.stem
         assert service in SERVICES, f"{path.name} names no service"
-        config = load_config(_load(SERVICES[service][0]), path)
+        config = load_config(_load(SERVICES[service].config_class), path)
         assert isinstance(config, StrictModel)
 
 
