@@ -174,6 +174,8 @@ class VerifyPool:
                 for (_, _, future), result in zip(pending, results, strict=False):
                     future.set_result(result)
                 pending = pending[len(results) :]
+                if results:  # the retried item (if any) is done: a later crash earns its own retry
+                    retried = False
                 if reason is None:
                     break
                 self._replace(worker, reason)
