@@ -45,6 +45,11 @@ SERVICES: dict[str, ServiceEntry] = {
         "services.replay.main:serve_forever",
         "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
     ),
+    "rollout": ServiceEntry(
+        "services.rollout.config:RolloutConfig",
+        "services.rollout.main:serve_forever",
+        "One vLLM worker (rlep.rollout.v1.Rollout): generates groups, takes weight pushes in place.",
+    ),
 }
 
 

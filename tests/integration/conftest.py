@@ -92,3 +92,46 @@ def pool_name(request, replay_client):
     yield name
     if name in replay_client.list_pools():
         replay_client.drop(name, confirm=name)
+
+
+# Eager mode starts in ~3 s instead of ~45 s of torch.compile; float32 makes logprobs exactly comparable.
+ROLLOUT_ENGINE = {"model": "tiny", "dtype": "float32", "max_model_len": 512, "max_num_seqs": 64, "enforce_eager": True}
+
+
+@pytest.fixture(scope="session")
+def rollout(auth_token_file):
+    """A real vLLM CPU worker (the locally built tiny model, float32) behind gRPC, with a token and /metrics."""
+    from services.rollout.config import RolloutConfig
+    from services.rollout.main import start_rollout
+
+    config = RolloutConfig(
+        server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE, max_n=64
+    )
+    running = start_rollout(config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def rollout_client(rollout, auth_token_file):
+    from services.rollout.client import RolloutClient
+
+    client = RolloutClient([f"127.0.0.1:{rollout.port}"], token=auth_token_file.read_text().strip(), timeout_s=300)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance (2 CPUs, no dashboard, no token auth), shared by every Ray test."""
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

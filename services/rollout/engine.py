@@ -1,0 +1,217 @@
+"""One vLLM engine driven by one thread: generation batches and weight loads never overlap.
+
+Requests are queued; the engine thread takes every queued generation request at once (up to
+`max_batch_prompts` prompts) and runs them as one `LLM.generate` call, so concurrent callers share
+vLLM's batch. A weight load is a queue item of its own: it runs between two batches, which makes
+it atomic with respect to generation — every sample of a batch carries the one version it was
+generated with.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlep_common.types import FinishReason
+from services.rollout.config import EngineConfig
+from services.rollout.types import Generation, SampleOut, Sampling
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.rollout.worker_extension.WeightSyncExtension"
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass
+class _Job:
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _GenerateJob(_Job):
+    prompts: Sequence[Sequence[int]] = ()
+    sampling: Sampling = Sampling()
+
+
+@dataclass
+class _LoadJob(_Job):
+    path: Path = Path()
+    version: int = 0
+
+
+class VersionError(ValueError):
+    """A weight push whose version is not newer than the engine's."""
+
+
+def resolve_model(model: str) -> str:
+    from rlep_common.tiny_model import PRESETS, cached_model
+
+    return str(cached_model(model)) if model in PRESETS else model
+
+
+def engine_kwargs(config: EngineConfig) -> dict:
+    """`vllm.LLM` keyword arguments from the config (engine-specific environment set too)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.kv_cache_space_gib:g}")
+    if config.cpu_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    model = resolve_model(config.model)
+    kwargs = dict(
+        model=model,
+        tokenizer=config.tokenizer or model,
+        dtype=config.dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        logprobs_mode=config.logprobs_mode,
+    )
+    kwargs.update(config.extra_args)
+    return kwargs
+
+
+class RolloutEngine:
+    def __init__(self, config: EngineConfig, initial_version: int = 0, max_batch_prompts: int = 4096):
+        from vllm import LLM
+
+        kwargs = engine_kwargs(config)
+        self.model_path = kwargs["model"]
+        self._llm = LLM(**kwargs, worker_extension_cls=WORKER_EXTENSION)
+        self.tokenizer = self._llm.get_tokenizer()
+        model_config = self._llm.llm_engine.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        self._version = initial_version
+        self._max_batch_prompts = max_batch_prompts
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: _Job | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+        self._thread.start()
+        self.generated_tokens = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- public API (any thread) --------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, timeout_s: float | None = None):
+        """Samples for token-id prompts; blocks until the batch holding them is done."""
+        job = _GenerateJob(prompts=prompts, sampling=sampling)
+        self._queue.put(job)
+        return job.future.result(timeout=timeout_s)
+
+    def load_weights(self, path: Path, version: int, timeout_s: float | None = None) -> float:
+        """Loads a validated safetensors payload as `version`; returns the load time in seconds."""
+        job = _LoadJob(path=path, version=version)
+        self._queue.put(job)
+        return job.future.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        del self._llm
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _next_job(self) -> _Job | None:
+        if self._pending is not None:
+            job, self._pending = self._pending, None
+            return job
+        return self._queue.get()
+
+    def _run(self) -> None:
+        while (job := self._next_job()) is not None:
+            if isinstance(job, _LoadJob):
+                self._finish(job, self._load)
+                continue
+            batch = [job]
+            count = len(job.prompts)
+            while count < self._max_batch_prompts:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(more, _GenerateJob):
+                    self._pending = more  # a load or the stop marker: runs after this batch
+                    break
+                batch.append(more)
+                count += len(more.prompts)
+            self._generate_batch(batch)
+        log.info("rollout engine thread stopped")
+
+    @staticmethod
+    def _finish(job: _Job, work: Callable) -> None:
+        try:
+            job.future.set_result(work(job))
+        except Exception as err:  # handed to the caller, who maps it to a status
+            job.future.set_exception(err)
+
+    def _load(self, job: _LoadJob) -> float:
+        if job.version <= self._version:
+            raise VersionError(f"version {job.version} is not newer than the current version {self._version}")
+        started = time.perf_counter()
+        self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
+        self._llm.reset_prefix_cache()
+        self._version = job.version
+        return time.perf_counter() - started
+
+    def _generate_batch(self, batch: list[_GenerateJob]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        started = time.perf_counter()
+        prompts, params = [], []
+        for job in batch:
+            s = job.sampling
+            sp = SamplingParams(
+                n=s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else -1,
+                max_tokens=s.max_tokens,
+                stop=list(s.stop) or None,
+                seed=s.seed,
+                logprobs=0,
+            )
+            for ids in job.prompts:
+                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(sp)
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        except Exception as err:
+            log.exception("generation failed for a batch of %d prompts", len(prompts))
+            for job in batch:
+                job.future.set_exception(err)
+            return
+        elapsed = time.perf_counter() - started
+        offset = 0
+        for job in batch:
+            mine = outputs[offset : offset + len(job.prompts)]
+            offset += len(job.prompts)
+            samples = [[self._sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in mine]
+            tokens = sum(len(s.token_ids) for group in samples for s in group)
+            self.generated_tokens += tokens
+            job.future.set_result(Generation(samples, self._version, started - job.enqueued, elapsed, tokens))
+
+    def _sample(self, completion) -> SampleOut:
+        ids = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], ids, strict=False)]
+        return SampleOut(
+            token_ids=ids,
+            text=completion.text,
+            logprobs=logprobs,
+            finish_reason=_FINISH.get(completion.finish_reason or "", FinishReason.ABORT),
+            policy_version=self._version,
+        )

@@ -1,0 +1,141 @@
+"""Rollout on Ray Serve: N replicas, one vLLM engine and one gRPC server each.
+
+Serve owns the replicas' lifecycle (placement, health checks, restarts). The learner needs more
+than Serve's request routing gives: it must reach *every* replica (a weight push goes to all of
+them) and split one batch across them. So each replica serves the same gRPC contract as a
+standalone worker and records its address in a small named actor, the registry; the typed client
+reads the addresses from there (`RolloutClient.from_ray`). A replica that Serve restarts registers
+its new address and starts at its initial version; the learner brings it up to date before use.
+
+    serve.run(build_app(RolloutConfig(), num_replicas=2), name="rlep-rollout", route_prefix=None)
+    client = RolloutClient.from_ray("rlep-rollout")
+
+`deploy/ray/serve.yaml` deploys the same application with `serve deploy` (import path
+`services.rollout.ray_app:app_builder`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from services.rollout.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+REGISTRY_NAMESPACE = "rlep"
+
+
+@ray.remote(num_cpus=0)
+class ReplicaRegistry:
+    """replica id -> gRPC address of the live replicas of one rollout application."""
+
+    def __init__(self) -> None:
+        self._addresses: dict[str, str] = {}
+
+    def register(self, replica_id: str, address: str) -> None:
+        self._addresses[replica_id] = address
+
+    def unregister(self, replica_id: str) -> None:
+        self._addresses.pop(replica_id, None)
+
+    def addresses(self) -> dict[str, str]:
+        return dict(self._addresses)
+
+
+def registry(app_name: str):
+    return ReplicaRegistry.options(
+        name=f"{app_name}-registry", namespace=REGISTRY_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()
+
+
+def _answers(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether a replica's gRPC health check says SERVING (health checks need no token)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def replica_addresses(app_name: str = "rlep-rollout", wait_s: float = 120.0, expect: int = 1) -> list[str]:
+    """Addresses of the live registered replicas (waits until at least `expect` answer).
+
+    Entries of replicas that died without unregistering (a killed process) are dropped here.
+    """
+    deadline = time.monotonic() + wait_s
+    handle = registry(app_name)
+    while True:
+        addresses = {}
+        for replica_id, address in ray.get(handle.addresses.remote()).items():
+            if _answers(address):
+                addresses[replica_id] = address
+            else:
+                handle.unregister.remote(replica_id)
+        if len(addresses) >= expect or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not addresses:
+        raise RuntimeError(f"no rollout replica registered for Ray Serve application {app_name!r}")
+    return sorted(addresses.values())
+
+
+@serve.deployment(name="rollout", ray_actor_options={"num_cpus": 1}, health_check_period_s=10)
+class RolloutReplica:
+    def __init__(self, config: dict[str, Any], app_name: str = "rlep-rollout"):
+        from services.rollout.main import start_rollout
+
+        parsed = RolloutConfig.model_validate(config)
+        # Reachable from the rest of the cluster unless the config pins a host.
+        host = parsed.server.host if parsed.server.host != "127.0.0.1" else _node_address()
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        server = parsed.server.model_copy(update={"host": host, "port": 0})
+        self._running = start_rollout(parsed.model_copy(update={"server": server, "replica_id": self._replica_id}))
+        self.address = f"{host}:{self._running.port}"
+        self._registry = registry(app_name)
+        ray.get(self._registry.register.remote(self._replica_id, self.address))
+        log.info("rollout replica %s serving on %s", self._replica_id, self.address)
+
+    def get_address(self) -> str:
+        return self.address
+
+    def check_health(self) -> None:
+        if not self._running.engine.alive:
+            raise RuntimeError("the rollout engine thread stopped")
+
+    def __del__(self) -> None:
+        try:
+            self._registry.unregister.remote(self._replica_id)
+            self._running.stop(grace_s=1.0)
+        except Exception:  # noqa: BLE001 - best effort during teardown
+            pass
+
+
+def _node_address() -> str:
+    # Single-node clusters report the node's own IP; binding it keeps the replica off 0.0.0.0.
+    return ray.util.get_node_ip_address()
+
+
+def build_app(config: RolloutConfig, num_replicas: int = 1, app_name: str = "rlep-rollout", num_cpus: float = 1.0):
+    """A Serve application of `num_replicas` rollout replicas (pass it to `serve.run`)."""
+    return RolloutReplica.options(num_replicas=num_replicas, ray_actor_options={"num_cpus": num_cpus}).bind(
+        config.model_dump(mode="json"), app_name
+    )
+
+
+def app_builder(args: dict[str, Any]):
+    """Entry point for `serve deploy` / `serve run`: args = {config: {...}, num_replicas, app_name, num_cpus}."""
+    return build_app(
+        RolloutConfig.model_validate(args.get("config", {})),
+        num_replicas=int(args.get("num_replicas", 1)),
+        app_name=str(args.get("app_name", "rlep-rollout")),
+        num_cpus=float(args.get("num_cpus", 1.0)),
+    )

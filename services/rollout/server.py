@@ -1,0 +1,312 @@
+"""gRPC adapter of a rollout worker: proto <-> `RolloutEngine`, request limits, weight intake, metrics."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep_common.grpc_utils import check_request_size, reject_unknown_fields
+from rlep_common.wire import FINISH_TO_PROTO
+from services.rollout.config import RolloutConfig
+from services.rollout.engine import RolloutEngine, VersionError
+from services.rollout.types import Generation, Sampling
+from services.rollout.weights import WeightError, WeightSpec, read_header, sha256_file
+
+SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"]
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# A payload is the tensors plus a JSON header; the header of a big model stays well under this.
+HEADER_SLACK_BYTES = 16 * 1024 * 1024
+
+
+class RolloutMetrics:
+    """The rollout worker's Prometheus series (`rlep_rollout_*`)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            "rlep_rollout_requests_total", "RPCs, by method and status code", ["method", "code"], registry=registry
+        )
+        self.generated_tokens = Counter(
+            "rlep_rollout_generated_tokens_total", "Tokens generated (rate() = tokens/s)", registry=registry
+        )
+        self.tokens_per_second = Gauge(
+            "rlep_rollout_batch_tokens_per_second", "Generated tokens/s of the last engine batch", registry=registry
+        )
+        self.in_flight = Gauge("rlep_rollout_requests_in_flight", "Generate calls being served", registry=registry)
+        self.queue_seconds = Histogram(
+            "rlep_rollout_queue_seconds",
+            "Time a Generate call waited for the engine",
+            registry=registry,
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.generate_seconds = Histogram(
+            "rlep_rollout_generate_seconds",
+            "Latency of a Generate call",
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.weight_version = Gauge("rlep_rollout_weight_version", "Policy version being served", registry=registry)
+        self.update_seconds = Histogram(
+            "rlep_rollout_weight_update_seconds",
+            "Duration of an UpdateWeights call (receive + check + load)",
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, engine: RolloutEngine, config: RolloutConfig, metrics: RolloutMetrics):
+        self._engine, self._config, self._metrics = engine, config, metrics
+        self._spec = WeightSpec.from_checkpoint(Path(engine.model_path))
+        self._max_payload = sum(_nbytes(t) for t in self._spec.tensors.values()) * 2 + HEADER_SLACK_BYTES
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self._replica_id = config.replica_id or f"{socket.gethostname()}:{os.getpid()}"
+        metrics.weight_version.set(engine.version)
+
+    @contextmanager
+    def _observe(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            self._metrics.requests.labels(method, code.name).inc()
+
+    # -- Generate ----------------------------------------------------------------------------
+    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        started = time.perf_counter()
+        self._metrics.in_flight.inc()
+        try:
+            with self._observe("Generate", context):
+                return self._generate(request, context)
+        finally:
+            self._metrics.in_flight.dec()
+            self._metrics.generate_seconds.observe(time.perf_counter() - started)
+
+    def _generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        check_request_size(request, context, self._config.server.max_request_bytes)
+        reject_unknown_fields(request, context)
+        try:
+            sampling = self._sampling(request)
+            prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
+            for i, ids in enumerate(prompts):
+                if len(ids) + sampling.max_tokens > self._engine.max_model_len:
+                    raise ValueError(
+                        f"prompts[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed "
+                        f"the model length {self._engine.max_model_len}"
+                    )
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        remaining = context.time_remaining()
+        try:
+            generation = self._engine.generate(prompts, sampling, timeout_s=remaining)
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish within the deadline")
+        self._record(generation)
+        return self._response(prompts, generation)
+
+    def _sampling(self, request: rollout_pb2.GenerateRequest) -> Sampling:
+        config, s = self._config, request.sampling
+        count = len(request.prompts)
+        if count == 0:
+            raise ValueError("no prompts")
+        if count > config.max_prompts_per_request:
+            raise ValueError(f"{count} prompts, over the limit of {config.max_prompts_per_request}; split the request")
+        if not 1 <= s.n <= config.max_n:
+            raise ValueError(f"sampling.n must be in [1, {config.max_n}], got {s.n}")
+        if count * s.n > config.max_samples_per_request:
+            raise ValueError(
+                f"{count} prompts x n={s.n} samples, over the limit of {config.max_samples_per_request}; split it"
+            )
+        if not (math.isfinite(s.temperature) and 0 <= s.temperature <= 100):
+            raise ValueError(f"sampling.temperature must be in [0, 100], got {s.temperature}")
+        if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
+            raise ValueError(f"sampling.top_p must be in (0, 1] (0 = 1.0), got {s.top_p}")
+        if s.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+        if s.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
+        if len(s.stop) > 64 or any(not stop for stop in s.stop):
+            raise ValueError("sampling.stop takes at most 64 non-empty strings")
+        return Sampling(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            stop=tuple(s.stop),
+            seed=s.seed if s.HasField("seed") else None,
+        )
+
+    def _prompt_ids(self, index: int, prompt: rollout_pb2.Prompt) -> list[int]:
+        kind = prompt.WhichOneof("kind")
+        tokenizer = self._engine.tokenizer
+        if kind == "tokens":
+            ids = list(prompt.tokens.token_ids)
+            bad = [t for t in ids if not 0 <= t < self._engine.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompts[{index}]: token id {bad[0]} outside the vocabulary [0, {self._engine.vocab_size})"
+                )
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
+            if not messages:
+                raise ValueError(f"prompts[{index}]: chat prompt without messages")
+            for m in messages:
+                if m["role"] not in ("system", "user", "assistant"):
+                    raise ValueError(f"prompts[{index}]: unknown role {m['role']!r}")
+            with self._tokenizer_lock:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                ids = tokenizer.encode(text, add_special_tokens=False)
+        elif kind == "text":
+            with self._tokenizer_lock:
+                ids = tokenizer.encode(prompt.text, add_special_tokens=False)
+        else:
+            raise ValueError(f"prompts[{index}]: set one of chat, tokens or text")
+        if not ids:
+            raise ValueError(f"prompts[{index}] is empty")
+        return ids
+
+    def _record(self, generation: Generation) -> None:
+        self._metrics.queue_seconds.observe(generation.queue_seconds)
+        self._metrics.generated_tokens.inc(generation.generated_tokens)
+        if generation.engine_seconds > 0:
+            self._metrics.tokens_per_second.set(generation.generated_tokens / generation.engine_seconds)
+
+    def _response(self, prompts: list[list[int]], generation: Generation) -> rollout_pb2.GenerateResponse:
+        response = rollout_pb2.GenerateResponse(policy_version=generation.policy_version)
+        for ids, samples in zip(prompts, generation.samples, strict=True):
+            completion = response.completions.add(prompt_token_ids=ids)
+            for s in samples:
+                completion.samples.add(
+                    token_ids=s.token_ids,
+                    text=s.text,
+                    logprobs=s.logprobs,
+                    finish_reason=FINISH_TO_PROTO[s.finish_reason],
+                    policy_version=s.policy_version,
+                )
+        return response
+
+    # -- UpdateWeights -----------------------------------------------------------------------
+    def UpdateWeights(self, chunks: Iterable[rollout_pb2.WeightChunk], context: grpc.ServicerContext):
+        started = time.perf_counter()
+        try:
+            with self._observe("UpdateWeights", context):
+                return self._update_weights(iter(chunks), context, started)
+        finally:
+            self._metrics.update_seconds.observe(time.perf_counter() - started)
+
+    def _update_weights(self, chunks: Iterator[rollout_pb2.WeightChunk], context: grpc.ServicerContext, started):
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first WeightChunk must be the header")
+        header = first.header
+        reject_unknown_fields(first, context)
+        problem = self._header_problem(header)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if header.version <= self._engine.version:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version {header.version} is not newer than the current version {self._engine.version}",
+            )
+        staged: Path | None = None
+        try:
+            try:
+                path, staged = self._receive(chunks, header, context)
+                if sha256_file(path) != header.sha256:
+                    raise WeightError("sha256 of the payload does not match the header")
+                self._spec.check(read_header(path))
+            except WeightError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            received = time.perf_counter() - started
+            try:
+                load_seconds = self._engine.load_weights(path, header.version)
+            except VersionError as err:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        finally:
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+        self._metrics.weight_version.set(self._engine.version)
+        return rollout_pb2.UpdateWeightsResponse(
+            version=header.version, receive_seconds=received, load_seconds=load_seconds
+        )
+
+    def _header_problem(self, header: rollout_pb2.WeightHeader) -> str | None:
+        if header.format not in (rollout_pb2.WEIGHT_FORMAT_UNSPECIFIED, rollout_pb2.SAFETENSORS):
+            return f"unsupported weight format {header.format}"
+        if not SHA256_HEX.match(header.sha256):
+            return "header.sha256 must be 64 lowercase hex digits"
+        if not 0 < header.total_bytes <= self._max_payload:
+            return f"header.total_bytes {header.total_bytes} is not a plausible size for this model"
+        return None
+
+    def _receive(self, chunks, header, context) -> tuple[Path, Path | None]:
+        """The payload's path, and the staged file to delete afterwards (None for a shared file)."""
+        first = next(chunks, None)
+        if first is not None and first.WhichOneof("kind") == "shared_file":
+            if next(chunks, None) is not None:
+                raise WeightError("nothing may follow a shared_file chunk")
+            return self._shared_file(first.shared_file, header.total_bytes), None
+        fd, name = tempfile.mkstemp(prefix="rlep-weights-", suffix=".safetensors", dir=self._config.staging_dir)
+        staged = Path(name)
+        written = 0
+        try:
+            with os.fdopen(fd, "wb") as out:
+                chunk = first
+                while chunk is not None:
+                    if chunk.WhichOneof("kind") != "data":
+                        raise WeightError("after the header, send only data chunks (or one shared_file)")
+                    written += len(chunk.data)
+                    if written > header.total_bytes:
+                        raise WeightError(f"more bytes than header.total_bytes ({header.total_bytes})")
+                    out.write(chunk.data)
+                    chunk = next(chunks, None)
+            if written != header.total_bytes:
+                raise WeightError(f"received {written} bytes, header.total_bytes says {header.total_bytes}")
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        return staged, staged
+
+    def _shared_file(self, name: str, total_bytes: int) -> Path:
+        path = Path(name).resolve()
+        allowed = [Path(d).resolve() for d in self._config.shared_dirs]
+        if not any(path.is_relative_to(d) for d in allowed):
+            raise WeightError(f"shared_file must be under one of {[str(d) for d in allowed]}")
+        if not path.is_file():
+            raise WeightError(f"shared_file {name} does not exist on this host")
+        if path.stat().st_size != total_bytes:
+            raise WeightError(f"shared_file holds {path.stat().st_size} bytes, header.total_bytes says {total_bytes}")
+        return path
+
+    # -- GetStatus ---------------------------------------------------------------------------
+    def GetStatus(self, request: rollout_pb2.GetStatusRequest, context: grpc.ServicerContext):
+        with self._observe("GetStatus", context):
+            return rollout_pb2.RolloutStatus(
+                policy_version=self._engine.version,
+                model=self._engine.model_path,
+                requests_in_flight=int(self._metrics.in_flight._value.get()),
+                max_model_len=self._engine.max_model_len,
+                vocab_size=self._engine.vocab_size,
+                replica_id=self._replica_id,
+                generated_tokens=self._engine.generated_tokens,
+            )
+
+
+def _nbytes(info) -> int:
+    sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+    return math.prod(info.shape) * sizes.get(info.dtype, 8)

@@ -1,0 +1,46 @@
+"""Plain data of the rollout service, shared by the engine, the server and the typed client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlep_common.types import FinishReason
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class SampleOut:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+
+
+@dataclass
+class Generation:
+    """Samples per prompt, in request order; `policy_version` is shared by all of them."""
+
+    samples: list[list[SampleOut]]
+    policy_version: int
+    queue_seconds: float
+    engine_seconds: float
+    generated_tokens: int
+
+
+@dataclass
+class Completion:
+    """What the client returns per prompt: the prompt as tokenized by the worker, and its samples."""
+
+    prompt_token_ids: list[int]
+    samples: list[SampleOut]

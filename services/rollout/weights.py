@@ -1,0 +1,128 @@
+"""Weight payloads: safetensors files checked by name, shape, dtype and sha256 before any engine sees them.
+
+A payload is one safetensors file holding a full state dict under the checkpoint's (HF) names.
+Only the JSON header is read to validate it, so a bad push is refused before a tensor is loaded,
+and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+HASH_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+class WeightError(ValueError):
+    """A payload that does not fit the model; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors spelling: F32, BF16, F16, ...
+    shape: tuple[int, ...]
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor names -> dtype and shape, from a safetensors file's header (no tensor data read)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise WeightError(f"not a safetensors payload: {size} bytes")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(HEADER_LIMIT_BYTES, size - 8):
+            raise WeightError(f"not a safetensors payload: header length {length} does not fit in {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise WeightError(f"not a safetensors payload: unreadable header ({err})") from err
+    if not isinstance(header, dict):
+        raise WeightError("not a safetensors payload: header is not an object")
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tensors[name] = TensorInfo(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise WeightError(f"not a safetensors payload: bad entry for {name!r}") from err
+    return tensors
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """What a push must contain: the checkpoint's tensors, plus names the engine may ignore."""
+
+    tensors: dict[str, TensorInfo]
+    ignorable: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: Path) -> WeightSpec:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"no *.safetensors in {model_dir}")
+        tensors: dict[str, TensorInfo] = {}
+        for file in files:
+            tensors.update(read_header(file))
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        # A tied output layer shares the embedding: a full state_dict() carries it, the checkpoint does not.
+        ignorable = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+        return cls(tensors, frozenset(ignorable - tensors.keys()))
+
+    def check(self, pushed: dict[str, TensorInfo]) -> None:
+        """Raises WeightError listing every missing, unexpected or mismatched tensor."""
+        problems = []
+        missing = sorted(self.tensors.keys() - pushed.keys())
+        unexpected = sorted(pushed.keys() - self.tensors.keys() - self.ignorable)
+        if missing:
+            problems.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            problems.append(f"unknown tensors {', '.join(unexpected[:3])}")
+        for name in sorted(self.tensors.keys() & pushed.keys()):
+            want, got = self.tensors[name], pushed[name]
+            if want.shape != got.shape:
+                problems.append(f"{name}: shape {list(got.shape)}, expected {list(want.shape)}")
+            if want.dtype != got.dtype:
+                problems.append(f"{name}: dtype {got.dtype}, expected {want.dtype}")
+        if problems:
+            raise WeightError("weights do not fit the model: " + "; ".join(problems[:8]))
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(HASH_BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_state_dict(state_dict: dict[str, torch.Tensor], spec_names: set[str] | None = None) -> dict:
+    """CPU, contiguous, untied copies that safetensors can write (tied tensors share storage)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if spec_names is not None and name not in spec_names:
+            continue
+        out[name] = tensor.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def to_payload(state_dict: dict[str, torch.Tensor]) -> bytes:
+    """A state dict as safetensors bytes (what UpdateWeights streams)."""
+    from safetensors.torch import save
+
+    return save(checkpoint_state_dict(state_dict))
+
+
+def write_payload(state_dict: dict[str, torch.Tensor], path: Path) -> str:
+    """Writes a state dict as a safetensors file (the shared-file path); returns its sha256."""
+    from safetensors.torch import save_file
+
+    save_file(checkpoint_state_dict(state_dict), str(path))
+    return sha256_file(path)

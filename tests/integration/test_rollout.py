@@ -1,0 +1,258 @@
+"""A real vLLM CPU worker behind gRPC: generation, versioned weight pushes, logprobs vs transformers, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep_common.grpc_utils import make_channel
+from rlep_common.types import FinishReason
+from services.rollout.client import stream_payload
+from services.rollout.types import Sampling
+from services.rollout.weights import to_payload
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT = [{"role": "user", "content": "12+30=?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_model(rollout):
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(rollout.engine.model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def stub(rollout, auth_token_file):
+    return rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip()))
+
+
+def perturbed_state_dict(hf_model, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: (t + 0.05 * torch.randn(t.shape, generator=generator)).contiguous()
+        for name, t in hf_model.state_dict().items()
+        if name != "lm_head.weight"
+    }
+
+
+def hf_logprobs(hf_model, state_dict, prompt_ids: list[int], sample_ids: list[int]) -> torch.Tensor:
+    hf_model.load_state_dict(state_dict, strict=False)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + sample_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(sample_ids) - 1)
+    return logprobs[positions, torch.tensor(sample_ids)]
+
+
+def test_generate_all_prompt_kinds_with_logprobs_and_version(rollout_client, rollout):
+    token_prompt = rollout.engine.tokenizer.encode("Q: 7+8=?\nA: ", add_special_tokens=False)
+    prompts = [PROMPT, token_prompt, "Q: 1+2=?\nA: "]
+    completions = rollout_client.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=24, seed=7))
+    assert len(completions) == 3
+    assert completions[1].prompt_token_ids == token_prompt
+    assert completions[0].prompt_token_ids == rollout.engine.tokenizer.encode(
+        "Q: 12+30=?\nA: ", add_special_tokens=False
+    )
+    version = rollout.engine.version
+    for completion in completions:
+        assert len(completion.samples) == 3
+        for sample in completion.samples:
+            assert 1 <= len(sample.token_ids) <= 24
+            assert len(sample.logprobs) == len(sample.token_ids)
+            assert all(lp <= 0 and math.isfinite(lp) for lp in sample.logprobs)
+            assert sample.policy_version == version
+            assert sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert sample.text == rollout.engine.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    # A seed makes a request reproducible.
+    again = rollout_client.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=24, seed=7))
+    assert [[s.token_ids for s in c.samples] for c in again] == [[s.token_ids for s in c.samples] for c in completions]
+
+
+def test_pushed_weights_give_transformers_logprobs(rollout_client, rollout, hf_model):
+    """After a streamed push, the worker's sampled-token logprobs equal an HF forward of the pushed weights."""
+    version = rollout.engine.version + 1
+    state_dict = perturbed_state_dict(hf_model, seed=version)
+    [reply] = rollout_client.push_weights(state_dict, version, transport="stream")
+    assert reply.version == version and rollout_client.versions() == [version]
+
+    [completion] = rollout_client.generate([PROMPT], Sampling(n=4, temperature=1.0, max_tokens=32, seed=3))
+    worst = 0.0
+    for sample in completion.samples:
+        assert sample.policy_version == version
+        expected = hf_logprobs(hf_model, state_dict, completion.prompt_token_ids, sample.token_ids)
+        worst = max(worst, (torch.tensor(sample.logprobs) - expected).abs().max().item())
+    # float32 on both sides (measured ~1e-6); the residue is summation order in the kernels.
+    assert worst < 1e-4, f"max |vLLM - transformers| logprob difference {worst}"
+
+
+def test_zero_weights_through_shared_memory_give_uniform_logprobs(rollout_client, rollout, hf_model):
+    version = rollout.engine.version + 1
+    zeros = {name: torch.zeros_like(t) for name, t in perturbed_state_dict(hf_model, 0).items()}
+    [reply] = rollout_client.push_weights(zeros, version, transport="shared_file")
+    assert reply.version == version
+    [completion] = rollout_client.generate([PROMPT], Sampling(n=2, temperature=1.0, max_tokens=16, seed=1))
+    uniform = -math.log(rollout.engine.vocab_size)
+    for sample in completion.samples:
+        assert sample.logprobs == pytest.approx([uniform] * len(sample.token_ids), abs=1e-4)
+
+
+def test_a_response_never_mixes_versions_under_concurrent_pushes(rollout_client, rollout, hf_model):
+    seen: list[set[int]] = []  # the versions found in each response
+    errors: list[BaseException] = []
+
+    def generate_repeatedly():
+        try:
+            for _ in range(4):
+                completions = rollout_client.generate([PROMPT] * 4, Sampling(n=4, max_tokens=16))
+                seen.append({s.policy_version for c in completions for s in c.samples})
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=generate_repeatedly) for _ in range(3)]
+    for t in threads:
+        t.start()
+    start = rollout.engine.version
+    for step in (1, 2):
+        rollout_client.push_weights(perturbed_state_dict(hf_model, start + step), start + step)
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(seen) == 12
+    assert all(len(versions) == 1 for versions in seen), seen
+    assert set().union(*seen) <= {start, start + 1, start + 2}
+    assert rollout.engine.version == start + 2
+
+
+def _abort_code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def _generate(stub, prompts, **sampling) -> rollout_pb2.GenerateResponse:
+    options = {"n": 1, "max_tokens": 8, **sampling}
+    return stub.Generate(
+        rollout_pb2.GenerateRequest(prompts=prompts, sampling=rollout_pb2.SamplingOptions(**options)), timeout=120
+    )
+
+
+TEXT = rollout_pb2.Prompt(text="Q: 1+1=?\nA: ")
+
+
+@pytest.mark.parametrize(
+    ("prompts", "sampling", "message"),
+    [
+        ([], {}, "no prompts"),
+        ([TEXT], {"n": 0}, "sampling.n"),
+        ([TEXT], {"n": 100_000}, "sampling.n"),
+        ([TEXT], {"max_tokens": 100_000}, "exceed the model length"),
+        ([TEXT], {"max_tokens": 0}, "max_tokens"),
+        ([TEXT], {"temperature": -1.0}, "temperature"),
+        ([TEXT], {"top_p": 1.5}, "top_p"),
+        ([rollout_pb2.Prompt(text="")], {}, "empty"),
+        ([rollout_pb2.Prompt(tokens=rollout_pb2.TokenPrompt(token_ids=[5, 10_000]))], {}, "outside the vocabulary"),
+        ([rollout_pb2.Prompt()], {}, "set one of"),
+        ([rollout_pb2.Prompt(chat=rollout_pb2.ChatPrompt(messages=[{"role": "robot", "content": "x"}]))], {}, "role"),
+    ],
+)
+def test_bad_generate_requests_are_invalid_argument(stub, prompts, sampling, message):
+    err = _abort_code(lambda: _generate(stub, prompts, **sampling))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.details()
+
+
+def test_unknown_fields_are_refused(rollout, auth_token_file):
+    channel = make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip())
+    raw = channel.unary_unary("/rlep.rollout.v1.Rollout/Generate")
+    known = rollout_pb2.GenerateRequest(prompts=[TEXT], sampling=rollout_pb2.SamplingOptions(n=1, max_tokens=4))
+    unknown_field_99 = bytes([(99 << 3 | 0) & 0x7F | 0x80, 99 >> 4, 1])  # varint field 99 = 1
+    err = _abort_code(lambda: raw(known.SerializeToString() + unknown_field_99, timeout=60))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown fields" in err.details()
+
+
+def _push(stub, header: rollout_pb2.WeightHeader, payload: bytes | None = None, shared_file: str | None = None):
+    if shared_file is not None:
+        messages = iter([rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=shared_file)])
+    else:
+        messages = stream_payload(header, payload)
+    return stub.UpdateWeights(messages, timeout=120)
+
+
+def _header(version: int, payload: bytes, **override) -> rollout_pb2.WeightHeader:
+    fields = {"version": version, "sha256": hashlib.sha256(payload).hexdigest(), "total_bytes": len(payload)}
+    return rollout_pb2.WeightHeader(**{**fields, **override})
+
+
+def test_bad_weight_pushes_are_refused_and_the_old_version_keeps_serving(stub, rollout, hf_model):
+    good = perturbed_state_dict(hf_model, 11)
+    version = rollout.engine.version
+    renamed = dict(good)
+    renamed["model.embed_tokens.weight_typo"] = renamed.pop("model.embed_tokens.weight")
+    reshaped = {**good, "model.norm.weight": torch.ones(7)}
+    half = {**good, "model.norm.weight": good["model.norm.weight"].to(torch.bfloat16)}
+    cases = {
+        "missing": to_payload(renamed),
+        "shape": to_payload(reshaped),
+        "dtype": to_payload(half),
+    }
+    for problem, payload in cases.items():
+        err = _abort_code(lambda p=payload: _push(stub, _header(version + 1, p), p))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, problem
+        assert "do not fit the model" in err.details(), err.details()
+
+    payload = to_payload(good)
+    checks = [
+        (_header(version + 1, payload, sha256="0" * 64), payload, "sha256"),
+        (_header(version + 1, payload, total_bytes=len(payload) + 10), payload, "received"),
+        (_header(version + 1, payload, sha256="xyz"), payload, "64 lowercase hex"),
+        (_header(version, payload), payload, "not newer"),
+        (_header(version + 1, b"not safetensors at all"), b"not safetensors at all", "not a safetensors"),
+    ]
+    for header, body, message in checks:
+        err = _abort_code(lambda h=header, b=body: _push(stub, h, b))
+        assert message in err.details(), (message, err.details())
+        assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+    err = _abort_code(lambda: _push(stub, _header(version + 1, payload), shared_file="/etc/passwd"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be under" in err.details()
+    err = _abort_code(lambda: stub.UpdateWeights(iter([rollout_pb2.WeightChunk(data=b"x")]), timeout=30))
+    assert "first WeightChunk must be the header" in err.details()
+
+    # Nothing changed: same version, still generating.
+    assert stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).policy_version == version
+    reply = _generate(stub, [TEXT])
+    assert reply.policy_version == version and reply.completions[0].samples[0].token_ids
+
+
+def test_rpcs_need_the_token(rollout):
+    anonymous = rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}"))
+    err = _abort_code(lambda: anonymous.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file):
+    rollout_client.generate(["Q: 3+3=?\nA: "], Sampling(n=2, max_tokens=8))
+    status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+    assert status.policy_version == rollout.engine.version
+    assert status.vocab_size == 128 and status.max_model_len == 512 and status.generated_tokens > 0
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{rollout.metrics_port}/metrics",
+        headers={"Authorization": f"Bearer {auth_token_file.read_text().strip()}"},
+    )
+    text = urllib.request.urlopen(request, timeout=10).read().decode()
+    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert series["rlep_rollout_generated_tokens_total"] >= status.generated_tokens - 1e-6
+    assert series["rlep_rollout_weight_version"] == rollout.engine.version
+    assert series['rlep_rollout_requests_total{code="OK",method="Generate"}'] > 0
+    assert series["rlep_rollout_queue_seconds_count"] > 0
+    assert "rlep_rollout_weight_update_seconds_count" in series
+    assert "rlep_rollout_requests_in_flight" in series and "rlep_rollout_batch_tokens_per_second" in series
