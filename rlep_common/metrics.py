@@ -11,6 +11,33 @@ import threading
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
+
+
+class ServiceRegistry(CollectorRegistry):
+    """A registry whose every sample carries `service="<name>"`, so dashboards can tell services apart
+    however they are scraped (one job per service, or a pod monitor over all of them)."""
+
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def collect(self):
+        for metric in super().collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [
+                Sample(
+                    s.name, {**s.labels, "service": self.service}, s.value, s.timestamp, s.exemplar, s.native_histogram
+                )
+                for s in metric.samples
+            ]
+            yield labelled
+
+
+def service_registry(service: str) -> CollectorRegistry:
+    """The registry a service's metrics live in (one per service; no global state)."""
+    return ServiceRegistry(service)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 import grpc
 import redis
-from prometheus_client import CollectorRegistry
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
 from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep_common.metrics import MetricsServer
+from rlep_common.metrics import MetricsServer, service_registry
 from rlep_common.redis_server import LocalRedis, start_local_redis
 from services.replay.config import ReplayConfig
 from services.replay.server import SERVICE, ReplayMetrics, ReplayServicer
@@ -49,7 +48,7 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
     )
     client.ping()
     store = RedisReplayStore(client, config.capacity_per_question, config.eviction)
-    registry = CollectorRegistry()
+    registry = service_registry("replay")
     servicer = ReplayServicer(store, config, ReplayMetrics(registry))
     server, port, _ = build_server(
         config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]

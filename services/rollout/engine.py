@@ -79,6 +79,11 @@ def engine_kwargs(config: EngineConfig) -> dict:
     return kwargs
 
 
+def shutdown_llm(llm) -> None:
+    """Stops a `vllm.LLM`'s engine-core processes now (at interpreter exit they would block the join)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 class RolloutEngine:
     def __init__(self, config: EngineConfig, initial_version: int = 0, max_batch_prompts: int = 4096):
         from vllm import LLM
@@ -122,7 +127,7 @@ class RolloutEngine:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
-        del self._llm
+        shutdown_llm(self._llm)
 
     # -- engine thread -----------------------------------------------------------------------
     def _next_job(self) -> _Job | None:

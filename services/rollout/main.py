@@ -6,11 +6,10 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
 from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep_common.metrics import MetricsServer
+from rlep_common.metrics import MetricsServer, service_registry
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import RolloutEngine
 from services.rollout.server import SERVICE, RolloutMetrics, RolloutServicer
@@ -39,7 +38,7 @@ class RunningRollout:
 
 
 def start_rollout(config: RolloutConfig) -> RunningRollout:
-    registry = CollectorRegistry()
+    registry = service_registry("rollout")
     metrics = RolloutMetrics(registry)
     engine = RolloutEngine(config.engine, config.initial_version, config.max_batch_prompts)
     try:

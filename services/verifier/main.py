@@ -6,11 +6,10 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
 from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep_common.metrics import MetricsServer
+from rlep_common.metrics import MetricsServer, service_registry
 from services.verifier.config import VerifierConfig
 from services.verifier.core import CheckOptions
 from services.verifier.pool import VerifyPool
@@ -40,7 +39,7 @@ class RunningVerifier:
 
 
 def start_verifier(config: VerifierConfig) -> RunningVerifier:
-    registry = CollectorRegistry()
+    registry = service_registry("verifier")
     metrics = VerifierMetrics(registry)
     pool = VerifyPool(
         num_workers=config.num_workers,

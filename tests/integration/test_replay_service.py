@@ -258,20 +258,19 @@ def test_lua_uniform_draw_matches_its_python_reference(replay_client, pool_name)
 
 
 def test_metrics_count_adds_and_samples(replay_client, pool_name, replay, auth_token_file):
-    import urllib.request
-
     replay_client.add(pool_name, [success("q", i) for i in range(3)])
     replay_client.sample(pool_name, ["q"], m=2, seed=0)
     replay_client.stats(pool_name)
-    request = urllib.request.Request(f"http://127.0.0.1:{replay.metrics_port}/metrics")
-    request.add_header("Authorization", f"Bearer {auth_token_file.read_text().strip()}")
-    text = urllib.request.urlopen(request, timeout=5).read().decode()
+    from tests.metrics_util import scrape, series_value, service_labels
+
+    text = scrape(replay.metrics_port, auth_token_file.read_text().strip())
+    assert service_labels(text) == {"replay"}
+    assert series_value(text, f'rlep_replay_pool_trajectories{{pool="{pool_name}"}}') == 3.0
     for series in (
         'rlep_replay_trajectories_added_total{outcome="added"}',
         "rlep_replay_sample_seconds_count",
         "rlep_replay_sampled_trajectories_total",
-        f'rlep_replay_pool_trajectories{{pool="{pool_name}"}} 3.0',
         "rlep_replay_redis_errors_total",
         'rlep_replay_requests_total{code="OK",method="Sample"}',
     ):
-        assert series in text, series
+        series_value(text, series)  # raises when not exported

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-import urllib.request
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from rlep_common.types import FinishReason
 from services.rollout.client import stream_payload
 from services.rollout.types import Sampling
 from services.rollout.weights import to_payload
+from tests.metrics_util import scrape, series_value, service_labels
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -244,15 +244,12 @@ def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file):
     status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
     assert status.policy_version == rollout.engine.version
     assert status.vocab_size == 128 and status.max_model_len == 512 and status.generated_tokens > 0
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{rollout.metrics_port}/metrics",
-        headers={"Authorization": f"Bearer {auth_token_file.read_text().strip()}"},
-    )
-    text = urllib.request.urlopen(request, timeout=10).read().decode()
-    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
-    assert series["rlep_rollout_generated_tokens_total"] >= status.generated_tokens - 1e-6
-    assert series["rlep_rollout_weight_version"] == rollout.engine.version
-    assert series['rlep_rollout_requests_total{code="OK",method="Generate"}'] > 0
-    assert series["rlep_rollout_queue_seconds_count"] > 0
-    assert "rlep_rollout_weight_update_seconds_count" in series
-    assert "rlep_rollout_requests_in_flight" in series and "rlep_rollout_batch_tokens_per_second" in series
+    text = scrape(rollout.metrics_port, auth_token_file.read_text().strip())
+    assert service_labels(text) == {"rollout"}
+    assert series_value(text, "rlep_rollout_generated_tokens_total") >= status.generated_tokens - 1e-6
+    assert series_value(text, "rlep_rollout_weight_version") == rollout.engine.version
+    assert series_value(text, 'rlep_rollout_requests_total{code="OK",method="Generate"}') > 0
+    assert series_value(text, "rlep_rollout_queue_seconds_count") > 0
+    for series in ("rlep_rollout_weight_update_seconds_count", "rlep_rollout_requests_in_flight"):
+        series_value(text, series)  # raises when not exported
+    series_value(text, "rlep_rollout_batch_tokens_per_second")

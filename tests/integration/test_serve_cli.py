@@ -28,9 +28,9 @@ def rlep_command() -> list[str]:
     return [str(script)] if script.exists() else [shutil.which("rlep") or "rlep"]
 
 
-def wait_serving(port: int) -> None:
+def wait_serving(port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     stub = health_pb2_grpc.HealthStub(make_channel(f"127.0.0.1:{port}"))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
@@ -59,3 +59,30 @@ def test_serve_verifier_process(tmp_path):
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert f"verifier listening on 127.0.0.1:{port}" in output
+
+
+@pytest.mark.slow
+def test_serve_rollout_process_standalone():
+    """`rlep serve rollout` without Ray (how Kubernetes runs it): serves, then stops cleanly on SIGTERM."""
+    from services.rollout.client import RolloutClient
+    from services.rollout.types import Sampling
+
+    port = free_port()
+    sets = ["engine.model=tiny", "engine.enforce_eager=true", "engine.max_model_len=256"]
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_serving(port, timeout_s=300)
+        client = RolloutClient([f"127.0.0.1:{port}"])
+        [completion] = client.generate(["Q: 2+2=?\nA: "], Sampling(n=2, max_tokens=4))
+        client.close()
+        assert len(completion.samples) == 2 and all(s.token_ids for s in completion.samples)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"rollout listening on 127.0.0.1:{port}" in output

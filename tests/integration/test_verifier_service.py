@@ -17,6 +17,7 @@ from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from rlep_common.grpc_utils import make_channel
 from rlep_common.types import Verdict
 from tests.conftest import read_jsonl
+from tests.metrics_util import series_value, service_labels
 
 pytestmark = pytest.mark.integration
 
@@ -197,10 +198,7 @@ def _scrape(verifier, token: str | None) -> str:
 
 
 def _metric(verifier, token_file, series: str) -> float:
-    for line in _scrape(verifier, token_file.read_text().strip()).splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{series} not exported")
+    return series_value(_scrape(verifier, token_file.read_text().strip()), series)
 
 
 def test_metrics_need_the_token_and_count_verdicts(verifier, verifier_client, auth_token_file):
@@ -214,3 +212,4 @@ def test_metrics_need_the_token_and_count_verdicts(verifier, verifier_client, au
     text = _scrape(verifier, auth_token_file.read_text().strip())
     for name in ("rlep_verifier_request_seconds_bucket", "rlep_verifier_item_seconds_count", "rlep_verifier_workers"):
         assert name in text
+    assert service_labels(text) == {"verifier"}

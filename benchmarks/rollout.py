@@ -1,0 +1,207 @@
+"""Rollout: the service vs the raw engine, and weight pushes vs a raw safetensors save + load.
+
+1. Generation: the same prompts and sampling (seeded, so both produce the same tokens) through
+   (a) `vllm.LLM.generate` in a plain process and (b) a `rlep serve rollout` worker (1 replica)
+   called through the typed client over loopback gRPC. Prints tokens/s of each and the ratio
+   (goal >= 0.95).
+2. Weight push, for the tiny model and a ~100M-parameter config: `RolloutClient.push_weights` over
+   both transports (streamed bytes, shared-memory file) vs writing the same tensors with
+   `safetensors.torch.save_file` and reading them back with `load_file` (goal: push <= 2x raw).
+
+    python benchmarks/rollout.py [--prompts 64] [--n 8] [--max-tokens 64] [--repeats 3] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+console = Console()
+
+
+def workload(args) -> tuple[list[str], dict]:
+    prompts = [f"Q: {a}+{b}=?\nA: " for a, b in zip(range(args.prompts), range(7, 7 + args.prompts), strict=True)]
+    sampling = dict(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1234)
+    return prompts, sampling
+
+
+def engine_config(args, model: str):
+    from services.rollout.config import EngineConfig
+
+    return EngineConfig(model=model, enforce_eager=args.eager, max_num_seqs=256)
+
+
+def raw_engine_run(args, out: mp.Queue) -> None:
+    """Child process: plain vLLM, the same engine arguments the service uses."""
+    from vllm import LLM, SamplingParams
+
+    from services.rollout.engine import engine_kwargs, shutdown_llm
+
+    prompts, sampling = workload(args)
+    llm = LLM(**engine_kwargs(engine_config(args, "tiny")))
+    params = SamplingParams(**sampling, logprobs=0)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    timings, tokens = [], 0
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        timings.append(time.perf_counter() - started)
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    out.put({"tokens": tokens, "seconds": statistics.median(timings)})
+    shutdown_llm(llm)
+
+
+def start_worker(args, model: str, port: int) -> subprocess.Popen:
+    from tests.integration.test_serve_cli import rlep_command, wait_serving
+
+    cmd = [*rlep_command(), "serve", "rollout", "--port", str(port), "--set", f"engine.model={model}"]
+    cmd += ["--set", f"engine.enforce_eager={str(args.eager).lower()}", "--set", "engine.max_num_seqs=256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_serving(port, timeout_s=900)
+    return proc
+
+
+def service_run(args, client) -> dict:
+    from services.rollout.types import Sampling
+
+    prompts, sampling = workload(args)
+    client.generate(prompts, Sampling(**sampling))  # warm-up
+    timings, tokens = [], 0
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        completions = client.generate(prompts, Sampling(**sampling))
+        timings.append(time.perf_counter() - started)
+        tokens = sum(len(s.token_ids) for c in completions for s in c.samples)
+    return {"tokens": tokens, "seconds": statistics.median(timings)}
+
+
+def push_timings(args, client, model_dir: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.config import default_staging_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    params = sum(t.numel() for t in state.values())
+    version = client.versions()[0]
+    result = {"params": params}
+    for transport in ("stream", "shared_file"):
+        timings = []
+        for _ in range(args.repeats):
+            version += 1
+            started = time.perf_counter()
+            client.push_weights(state, version, transport=transport)
+            timings.append(time.perf_counter() - started)
+        result[transport] = statistics.median(timings)
+    timings = []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(dir=default_staging_dir()) as tmp:
+            started = time.perf_counter()
+            save_file(state, f"{tmp}/w.safetensors")
+            loaded = load_file(f"{tmp}/w.safetensors")
+            timings.append(time.perf_counter() - started)
+            del loaded
+    result["raw_save_load"] = statistics.median(timings)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="skip torch.compile (faster start, slower decode)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+
+    from rlep_common.tiny_model import cached_model
+    from services.rollout.client import RolloutClient
+    from tests.conftest import free_port
+
+    for preset in ("tiny", "100m"):
+        cached_model(preset)
+    with console.status("raw vLLM engine (child process)..."):
+        queue: mp.Queue = mp.get_context("spawn").Queue()
+        child = mp.get_context("spawn").Process(target=raw_engine_run, args=(args, queue))
+        child.start()
+        raw = queue.get()
+        child.join()
+    results: dict = {"raw": raw}
+    for preset in ("tiny", "100m"):
+        with console.status(f"rollout service with the {preset} model..."):
+            port = free_port()
+            proc = start_worker(args, preset, port)
+            client = RolloutClient([f"127.0.0.1:{port}"], timeout_s=900)
+            try:
+                if preset == "tiny":
+                    results["service"] = service_run(args, client)
+                results[f"push_{preset}"] = push_timings(args, client, cached_model(preset))
+            finally:
+                client.close()
+                proc.terminate()
+                proc.wait(timeout=60)
+    report(args, results)
+
+
+def report(args, results: dict) -> None:
+    raw, service = results["raw"], results["service"]
+    raw_tps, service_tps = raw["tokens"] / raw["seconds"], service["tokens"] / service["seconds"]
+    table = Table(title=f"generation: {args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, tiny model")
+    for column in ("path", "tokens", "seconds (median)", "tokens/s"):
+        table.add_column(column, justify="right")
+    table.add_row("raw vllm.LLM.generate", str(raw["tokens"]), f"{raw['seconds']:.3f}", f"{raw_tps:,.0f}")
+    table.add_row(
+        "rollout service (1 replica)", str(service["tokens"]), f"{service['seconds']:.3f}", f"{service_tps:,.0f}"
+    )
+    console.print(table)
+    ratio = service_tps / raw_tps
+    console.print(
+        f"generation ratio service/raw = [bold]{ratio:.3f}[/bold]"
+        f" (goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})"
+    )
+
+    pushes = Table(title="weight push (median seconds) vs safetensors save_file + load_file")
+    for column in ("model", "params", "stream", "shared_file", "raw save+load", "stream/raw", "shared/raw"):
+        pushes.add_column(column, justify="right")
+    for preset in ("tiny", "100m"):
+        p = results[f"push_{preset}"]
+        pushes.add_row(
+            preset,
+            f"{p['params'] / 1e6:.1f}M",
+            f"{p['stream']:.3f}",
+            f"{p['shared_file']:.3f}",
+            f"{p['raw_save_load']:.3f}",
+            f"{p['stream'] / p['raw_save_load']:.2f}",
+            f"{p['shared_file'] / p['raw_save_load']:.2f}",
+        )
+    console.print(pushes)
+    big = results["push_100m"]
+    best = min(big["stream"], big["shared_file"]) / big["raw_save_load"]
+    console.print(
+        f"100M push ratio (best transport)/raw = [bold]{best:.2f}[/bold]"
+        f" (goal <= 2: {'met' if best <= 2 else 'NOT met'})"
+    )
+    results["generation_ratio"] = ratio
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

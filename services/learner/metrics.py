@@ -1,0 +1,50 @@
+"""The learner's Prometheus series (`rlep_learner_*`): one gauge per logged training figure.
+
+The same figures go to the JSONL log each step; `STEP_GAUGES` maps a log key to its series so the two
+never drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+# log key -> (metric name, help)
+STEP_GAUGES: dict[str, tuple[str, str]] = {
+    "step": ("rlep_learner_step", "Training steps completed"),
+    "policy_version": ("rlep_learner_policy_version", "Weight version last pushed to rollout"),
+    "reward_mean": ("rlep_learner_reward_mean", "Mean reward of the step's fresh samples (shaping included)"),
+    "fresh_accuracy": ("rlep_learner_fresh_accuracy", "Fraction of the step's fresh samples verified correct"),
+    "replayed_fraction": ("rlep_learner_replayed_fraction", "Replayed responses / all responses trained on"),
+    "advantage_mean": ("rlep_learner_advantage_mean", "Mean advantage over the step's responses"),
+    "advantage_std": ("rlep_learner_advantage_std", "Std of the advantages over the step's responses"),
+    "clip_fraction": ("rlep_learner_clip_fraction", "Fraction of tokens whose ratio was clipped"),
+    "approx_kl": ("rlep_learner_approx_kl", "Approximate KL(old || new) over the step's tokens"),
+    "entropy": ("rlep_learner_entropy", "Mean per-token entropy of the policy on the step's responses"),
+    "response_length_mean": ("rlep_learner_response_length_mean", "Mean response length in tokens"),
+    "eval_accuracy": ("rlep_learner_eval_accuracy", "Accuracy on the held-out evaluation set (last evaluation)"),
+}
+PHASES = ("rollout", "verify", "replay", "train", "weight_push")
+
+
+class LearnerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.gauges = {key: Gauge(name, text, registry=registry) for key, (name, text) in STEP_GAUGES.items()}
+        self.step_seconds = Gauge(
+            "rlep_learner_step_seconds", "Seconds the last step spent in each phase", ["phase"], registry=registry
+        )
+        self.phase_seconds = Counter(
+            "rlep_learner_phase_seconds_total", "Seconds spent in each phase since start", ["phase"], registry=registry
+        )
+        for phase in PHASES:
+            self.step_seconds.labels(phase)
+            self.phase_seconds.labels(phase)
+
+    def record(self, figures: Mapping[str, float], phase_seconds: Mapping[str, float]) -> None:
+        for key, value in figures.items():
+            if key in self.gauges:
+                self.gauges[key].set(value)
+        for phase, seconds in phase_seconds.items():
+            self.step_seconds.labels(phase).set(seconds)
+            self.phase_seconds.labels(phase).inc(seconds)

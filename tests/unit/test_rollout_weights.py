@@ -1,0 +1,69 @@
+"""Weight payload checks: what a push must contain before any engine sees it."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header, sha256_file, write_payload
+
+SPEC = WeightSpec(
+    {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))},
+    ignorable=frozenset({"lm_head.weight"}),
+)
+
+
+def test_payload_header_round_trip(tmp_path):
+    path = tmp_path / "w.safetensors"
+    digest = write_payload({"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}, path)
+    assert digest == sha256_file(path) and len(digest) == 64
+    header = read_header(path)
+    assert header == {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))}
+    SPEC.check(header)  # fits: no exception
+
+
+def test_tied_output_layer_may_be_sent_or_not():
+    SPEC.check({**SPEC.tensors, "lm_head.weight": TensorInfo("F32", (8, 4))})
+
+
+@pytest.mark.parametrize(
+    ("pushed", "message"),
+    [
+        ({"embed.weight": TensorInfo("F32", (8, 4))}, "missing 1 tensors (e.g. norm.weight)"),
+        ({**SPEC.tensors, "extra.bias": TensorInfo("F32", (1,))}, "unknown tensors extra.bias"),
+        ({**SPEC.tensors, "norm.weight": TensorInfo("F32", (5,))}, "norm.weight: shape [5], expected [4]"),
+        ({**SPEC.tensors, "norm.weight": TensorInfo("BF16", (4,))}, "norm.weight: dtype BF16, expected F32"),
+    ],
+)
+def test_spec_names_every_problem(pushed, message):
+    with pytest.raises(WeightError, match="do not fit the model") as info:
+        SPEC.check(pushed)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"abc",  # shorter than the length prefix
+        struct.pack("<Q", 10**12) + b"{}",  # header length beyond the file
+        struct.pack("<Q", 5) + b"{nope",  # not JSON
+        struct.pack("<Q", 2) + b"[]",  # JSON, not an object
+        struct.pack("<Q", 17) + b'{"a": {"x": 1}} ',  # entry without dtype/shape
+    ],
+)
+def test_junk_is_not_a_payload(tmp_path, content):
+    path = tmp_path / "junk"
+    path.write_bytes(content)
+    with pytest.raises(WeightError, match="not a safetensors payload"):
+        read_header(path)
+
+
+def test_spec_from_a_checkpoint_directory(tmp_path):
+    write_payload({"embed.weight": torch.ones(8, 4)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    spec = WeightSpec.from_checkpoint(tmp_path)
+    assert spec.tensors == {"embed.weight": TensorInfo("F32", (8, 4))}
+    assert spec.ignorable == {"lm_head.weight"}
