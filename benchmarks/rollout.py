@@ -2,11 +2,11 @@
 
 1. Generation: the same prompts and sampling (seeded, so both produce the same tokens) through
    (a) `vllm.LLM.generate` in a plain process and (b) a `rlep serve rollout` worker (1 replica)
-   called through the typed client over loopback gRPC. Prints tokens/s of each and the ratio
-   (goal >= 0.95).
+   called through the typed client over loopback gRPC, alternating run by run so both see the
+   same machine load. Prints tokens/s of each (medians) and the ratio (goal >= 0.95).
 2. Weight push, for the tiny model and a ~100M-parameter config: `RolloutClient.push_weights` over
    both transports (streamed bytes, shared-memory file) vs writing the same tensors with
-   `safetensors.torch.save_file` and reading them back with `load_file` (goal: push <= 2x raw).
+   `safetensors.torch.save_file` and loading them back into the model (goal: push <= 2x raw).
 
     python benchmarks/rollout.py [--prompts 64] [--n 8] [--max-tokens 64] [--repeats 3] [--eager]
 """
@@ -43,8 +43,8 @@ def engine_config(args, model: str):
     return EngineConfig(model=model, enforce_eager=args.eager, max_num_seqs=256)
 
 
-def raw_engine_run(args, out: mp.Queue) -> None:
-    """Child process: plain vLLM, the same engine arguments the service uses."""
+def raw_engine_serve(args, conn) -> None:
+    """Child process: plain vLLM with the service's engine arguments; one timed run per request."""
     from vllm import LLM, SamplingParams
 
     from services.rollout.engine import engine_kwargs, shutdown_llm
@@ -53,13 +53,16 @@ def raw_engine_run(args, out: mp.Queue) -> None:
     llm = LLM(**engine_kwargs(engine_config(args, "tiny")))
     params = SamplingParams(**sampling, logprobs=0)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    timings, tokens = [], 0
-    for _ in range(args.repeats):
+    conn.send("ready")
+    while conn.recv() == "run":
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        timings.append(time.perf_counter() - started)
-        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    out.put({"tokens": tokens, "seconds": statistics.median(timings)})
+        conn.send(
+            {
+                "tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                "seconds": time.perf_counter() - started,
+            }
+        )
     shutdown_llm(llm)
 
 
@@ -73,18 +76,26 @@ def start_worker(args, model: str, port: int) -> subprocess.Popen:
     return proc
 
 
-def service_run(args, client) -> dict:
+def generation_side_by_side(args, client, conn) -> dict:
+    """Alternates raw and service runs so both see the same machine load; medians of each."""
     from services.rollout.types import Sampling
 
     prompts, sampling = workload(args)
     client.generate(prompts, Sampling(**sampling))  # warm-up
-    timings, tokens = [], 0
+    raw, service = [], []
     for _ in range(args.repeats):
+        conn.send("run")
+        raw.append(conn.recv())
         started = time.perf_counter()
         completions = client.generate(prompts, Sampling(**sampling))
-        timings.append(time.perf_counter() - started)
-        tokens = sum(len(s.token_ids) for c in completions for s in c.samples)
-    return {"tokens": tokens, "seconds": statistics.median(timings)}
+        service.append(
+            {
+                "tokens": sum(len(s.token_ids) for c in completions for s in c.samples),
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    median = lambda runs: {"tokens": runs[-1]["tokens"], "seconds": statistics.median(r["seconds"] for r in runs)}  # noqa: E731
+    return {"raw": median(raw), "service": median(service)}
 
 
 def push_timings(args, client, model_dir: Path) -> dict:
@@ -114,9 +125,9 @@ def push_timings(args, client, model_dir: Path) -> dict:
         with tempfile.TemporaryDirectory(dir=default_staging_dir()) as tmp:
             started = time.perf_counter()
             save_file(state, f"{tmp}/w.safetensors")
-            loaded = load_file(f"{tmp}/w.safetensors")
+            # load_file maps the file lazily; copying into a model is what makes it a load.
+            model.load_state_dict(load_file(f"{tmp}/w.safetensors"), strict=False)
             timings.append(time.perf_counter() - started)
-            del loaded
     result["raw_save_load"] = statistics.median(timings)
     return result
 
@@ -137,13 +148,13 @@ def main() -> None:
 
     for preset in ("tiny", "100m"):
         cached_model(preset)
-    with console.status("raw vLLM engine (child process)..."):
-        queue: mp.Queue = mp.get_context("spawn").Queue()
-        child = mp.get_context("spawn").Process(target=raw_engine_run, args=(args, queue))
+    results: dict = {}
+    context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    child = context.Process(target=raw_engine_serve, args=(args, child_conn))
+    with console.status("starting the raw vLLM engine (child process)..."):
         child.start()
-        raw = queue.get()
-        child.join()
-    results: dict = {"raw": raw}
+        conn.recv()
     for preset in ("tiny", "100m"):
         with console.status(f"rollout service with the {preset} model..."):
             port = free_port()
@@ -151,7 +162,9 @@ def main() -> None:
             client = RolloutClient([f"127.0.0.1:{port}"], timeout_s=900)
             try:
                 if preset == "tiny":
-                    results["service"] = service_run(args, client)
+                    results.update(generation_side_by_side(args, client, conn))
+                    conn.send("stop")
+                    child.join()
                 results[f"push_{preset}"] = push_timings(args, client, cached_model(preset))
             finally:
                 client.close()

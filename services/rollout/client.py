@@ -8,12 +8,11 @@ replica died or is restarting) is retried on another replica, so one lost replic
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from rlep_common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep_common.wire import FINISH_FROM_PROTO
 from services.rollout.config import default_staging_dir
 from services.rollout.types import Completion, SampleOut, Sampling
-from services.rollout.weights import to_payload, write_payload
+from services.rollout.weights import write_payload
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,8 @@ class RolloutClient:
         self._token, self._timeout_s = token, timeout_s
         self._max_prompts_per_call, self._attempts = max_prompts_per_call, attempts
         self.replicas = [self._connect(a) for a in addresses]
-        self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * len(addresses)), thread_name_prefix="rollout-client")
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rollout-client")
+        self._resolve: Callable[[], Sequence[str]] | None = None
 
     def _connect(self, address: str) -> Replica:
         channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
@@ -130,7 +130,21 @@ class RolloutClient:
         """Replicas of a running Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
         from services.rollout.ray_app import replica_addresses
 
-        return cls(replica_addresses(app_name), **kwargs)
+        client = cls(replica_addresses(app_name), **kwargs)
+        client._resolve = lambda: replica_addresses(app_name)
+        return client
+
+    def refresh(self) -> list[str]:
+        """Re-reads the replica list (Ray: replicas restarted by Serve come back under new addresses).
+
+        Returns the addresses that are new; they start at their initial weights until pushed to.
+        """
+        if self._resolve is None:
+            return []
+        known = {r.address: r for r in self.replicas}
+        addresses = list(self._resolve())
+        self.replicas = [known.get(a) or self._connect(a) for a in addresses]
+        return [a for a in addresses if a not in known]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -193,33 +207,33 @@ class RolloutClient:
         targets = list(replicas if replicas is not None else self.replicas)
         if transport == "auto":
             transport = "shared_file" if all(_is_local(r.address) for r in targets) else "stream"
-        if transport == "shared_file":
-            fd, name = tempfile.mkstemp(prefix="rlep-push-", suffix=".safetensors", dir=default_staging_dir())
-            os.close(fd)
-            path = Path(name)
-            try:
-                digest = write_payload(dict(state_dict), path)
-                header = rollout_pb2.WeightHeader(
-                    version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
-                )
+        if transport not in ("stream", "shared_file"):
+            raise ValueError(f"transport must be auto, stream or shared_file, got {transport!r}")
+        fd, name = tempfile.mkstemp(prefix="rlep-push-", suffix=".safetensors", dir=default_staging_dir())
+        os.close(fd)
+        path = Path(name)
+        try:
+            digest = write_payload(dict(state_dict), path)
+            header = rollout_pb2.WeightHeader(
+                version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
+            )
+            if transport == "shared_file":
                 messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
                 return self._push_all(targets, lambda: iter(messages))
-            finally:
-                path.unlink(missing_ok=True)
-        if transport != "stream":
-            raise ValueError(f"transport must be auto, stream or shared_file, got {transport!r}")
-        payload = to_payload(dict(state_dict))
-        header = rollout_pb2.WeightHeader(
-            version=version,
-            sha256=hashlib.sha256(payload).hexdigest(),
-            total_bytes=len(payload),
-            format=rollout_pb2.SAFETENSORS,
-        )
-        return self._push_all(targets, lambda: stream_payload(header, payload))
+            return self._push_all(targets, lambda: stream_file(header, path))
+        finally:
+            path.unlink(missing_ok=True)
 
     def _push_all(self, targets: Sequence[Replica], messages) -> list[rollout_pb2.UpdateWeightsResponse]:
         futures = [self._pool.submit(r.stub.UpdateWeights, messages(), timeout=self._timeout_s) for r in targets]
         return [f.result() for f in futures]
+
+
+def stream_file(header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
+    yield rollout_pb2.WeightChunk(header=header)
+    with path.open("rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield rollout_pb2.WeightChunk(data=data)
 
 
 def stream_payload(header: rollout_pb2.WeightHeader, payload: bytes) -> Iterator[rollout_pb2.WeightChunk]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -226,8 +227,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         staged: Path | None = None
         try:
             try:
-                path, staged = self._receive(chunks, header, context)
-                if sha256_file(path) != header.sha256:
+                path, staged, digest = self._receive(chunks, header)
+                if digest != header.sha256:
                     raise WeightError("sha256 of the payload does not match the header")
                 self._spec.check(read_header(path))
             except WeightError as err:
@@ -254,16 +255,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return f"header.total_bytes {header.total_bytes} is not a plausible size for this model"
         return None
 
-    def _receive(self, chunks, header, context) -> tuple[Path, Path | None]:
-        """The payload's path, and the staged file to delete afterwards (None for a shared file)."""
+    def _receive(self, chunks, header) -> tuple[Path, Path | None, str]:
+        """The payload's path, the staged file to delete afterwards (None for a shared file), its sha256."""
         first = next(chunks, None)
         if first is not None and first.WhichOneof("kind") == "shared_file":
             if next(chunks, None) is not None:
                 raise WeightError("nothing may follow a shared_file chunk")
-            return self._shared_file(first.shared_file, header.total_bytes), None
+            path = self._shared_file(first.shared_file, header.total_bytes)
+            return path, None, sha256_file(path)
         fd, name = tempfile.mkstemp(prefix="rlep-weights-", suffix=".safetensors", dir=self._config.staging_dir)
         staged = Path(name)
         written = 0
+        digest = hashlib.sha256()  # hashed on arrival: no second pass over the file
         try:
             with os.fdopen(fd, "wb") as out:
                 chunk = first
@@ -274,13 +277,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     if written > header.total_bytes:
                         raise WeightError(f"more bytes than header.total_bytes ({header.total_bytes})")
                     out.write(chunk.data)
+                    digest.update(chunk.data)
                     chunk = next(chunks, None)
             if written != header.total_bytes:
                 raise WeightError(f"received {written} bytes, header.total_bytes says {header.total_bytes}")
         except BaseException:
             staged.unlink(missing_ok=True)
             raise
-        return staged, staged
+        return staged, staged, digest.hexdigest()
 
     def _shared_file(self, name: str, total_bytes: int) -> Path:
         path = Path(name).resolve()

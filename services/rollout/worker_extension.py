@@ -12,8 +12,6 @@ so they are plain values (a file path, names and shapes), never tensors or pickl
 
 from __future__ import annotations
 
-import gc
-
 
 class WeightSyncExtension:
     # `self` is vLLM's worker: `reload_weights`, `model_runner`, `device` come from it.
@@ -28,8 +26,6 @@ class WeightSyncExtension:
         # calling model.load_weights directly fails on CPU (parameters lack a weight_loader).
         self.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)
         self._refresh_tied_output_layer()
-        del state_dict
-        gc.collect()
         return count
 
     def _refresh_tied_output_layer(self) -> None:

@@ -1,0 +1,145 @@
+"""Configuration of a training run (`rlep train --config X.yaml`). Defaults are the paper's recipe.
+
+RLEP (arXiv 2507.07451) trains with DAPO's verl recipe without dynamic sampling ("DAPO-nodyn"):
+512 prompts per step, 16 fresh samples each at T=1.0 / top-p 1.0, PPO mini-batches of 32 prompts,
+lr 1e-6 with 10 warm-up steps, clip 0.2 / 0.28, dual-clip 10, token-mean loss, overlong shaping
+with a 4096-token buffer; RLEP adds M=2 replayed successes per question. The demo and the tests
+override sizes, not the recipe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlep_common.algorithm import LossAgg
+from rlep_common.config import StrictModel
+from services.replay.core import Strategy
+from services.rollout.config import EngineConfig
+
+
+class AlgorithmConfig(StrictModel):
+    questions_per_step: int = Field(512, ge=1)
+    """B: training questions per step."""
+    fresh_per_question: int = Field(16, ge=1)
+    """G: fresh rollouts per question."""
+    replayed_per_question: int = Field(2, ge=0)
+    """M: replayed successes per question (0 = the DAPO-nodyn baseline, same code path)."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_response_tokens: int = Field(20480, ge=1)
+    mini_batch_questions: int = Field(32, ge=1)
+    """PPO mini-batch size in questions; B / this = optimizer steps per training step."""
+    ppo_epochs: int = Field(1, ge=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    clip_c: float = Field(10.0, gt=1)
+    loss_agg: LossAgg = "token-mean"
+    overlong_buffer_tokens: int = Field(4096, ge=0)
+    """DAPO's soft overlong punishment zone before max_response_tokens (0 = off)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    replay_strategy: Strategy = Strategy.UNIFORM
+    """Beyond the reference (off by default): how replayed successes are chosen."""
+    online_replay: bool = False
+    """Beyond the reference: add this run's new successes to the pool as they appear."""
+    max_replayed_fraction: float | None = Field(None, gt=0, le=1)
+    """Beyond the reference: cap on replayed / all responses of a group (None = no cap)."""
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    """Optimizer steps of linear warm-up (then constant, as in the recipe)."""
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate up to the mini-batch."""
+
+
+class DeepSpeedConfig(StrictModel):
+    zero_stage: int = Field(2, ge=0, le=3)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    num_processes: int = Field(1, ge=1)
+    """Data-parallel learner processes (Ray actors); gloo on CPU, NCCL on GPU."""
+    offload_optimizer: bool = False
+
+
+class CheckpointConfig(StrictModel):
+    dir: Path | None = None
+    """Where checkpoints go (None = no checkpoints)."""
+    every_steps: int = Field(50, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+class EndpointsConfig(StrictModel):
+    """Where the services are. Empty = start them (locally on Ray); set = use them (e.g. Kubernetes)."""
+
+    rollout: list[str] = []
+    """Rollout replica addresses; empty = a Ray Serve deployment started by `rlep train`."""
+    verifier: str | None = None
+    replay: str | None = None
+    auth_token_file: Path | None = None
+
+
+class LocalServicesConfig(StrictModel):
+    """Services `rlep train` starts on Ray when `endpoints` leaves them empty."""
+
+    rollout_replicas: int = Field(1, ge=1)
+    rollout_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per rollout replica."""
+    rollout_engine: EngineConfig = EngineConfig()
+    """vLLM arguments of the replicas; `model` is replaced by the run's starting checkpoint."""
+    verifier_workers: int = Field(1, ge=1)
+    replay_redis_url: str | None = None
+    """Redis of the replay service; None = the embedded redis-server under ~/.cache/rlep/redis."""
+    learner_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per learner process."""
+
+
+class DataConfig(StrictModel):
+    train_files: list[Path] = []
+    """verl/DAPO parquet files (`prompt`, `reward_model.ground_truth`, `data_source`)."""
+    shuffle: bool = True
+    max_prompt_tokens: int = Field(2048, ge=1)
+
+
+class EvalConfig(StrictModel):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate the rollout policy on `files` every this many steps (0 = never)."""
+    files: list[Path] = []
+    samples_per_question: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    max_questions: int = Field(512, ge=1)
+
+
+class TrainConfig(StrictModel):
+    run_id: str = "rlep"
+    model: str = "tiny"
+    """Starting checkpoint: an HF directory or a tiny-model preset name."""
+    seed: int = 0
+    steps: int = Field(100, ge=0)
+    replay_pool: str = "rlep"
+    """Pool of phase-1 successes in the replay service (read when M > 0; written by online replay)."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    endpoints: EndpointsConfig = EndpointsConfig()
+    local: LocalServicesConfig = LocalServicesConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    log_file: Path | None = None
+    """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus /metrics of the learner (9464 in deployments)."""
+
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> TrainConfig:
+        if self.algorithm.mini_batch_questions > self.algorithm.questions_per_step:
+            raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")
+        if self.algorithm.overlong_buffer_tokens > self.algorithm.max_response_tokens:
+            raise ValueError("algorithm.overlong_buffer_tokens cannot exceed algorithm.max_response_tokens")
+        return self

@@ -1,0 +1,89 @@
+"""Training questions from verl/DAPO parquet, and a resumable cursor over them.
+
+The cursor walks a seeded permutation of the questions, epoch after epoch; its state is two
+integers (epoch, position), saved with every checkpoint, so a resumed run neither skips nor repeats
+a prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rlep_common.dataset import question_id
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content) pairs: the chat prompt
+    ground_truth: str
+    data_source: str = ""
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+def load_questions(paths: Sequence[Path]) -> list[Question]:
+    """Rows of verl-schema parquet files (`prompt`, `reward_model.ground_truth`, `data_source`) as read."""
+    import pyarrow.parquet as pq
+
+    questions: list[Question] = []
+    for path in paths:
+        table = pq.read_table(path)
+        missing = {"prompt", "reward_model"} - set(table.column_names)
+        if missing:
+            raise ValueError(f"{path}: not verl schema, missing columns {sorted(missing)}")
+        for row in table.to_pylist():
+            prompt = row["prompt"]
+            if not prompt:
+                raise ValueError(f"{path}: a row has an empty prompt")
+            source = row.get("data_source") or ""
+            extra = row.get("extra_info") or {}
+            qid = extra.get("question_id") or question_id(prompt, source)
+            truth = (row["reward_model"] or {}).get("ground_truth")
+            if truth is None:
+                raise ValueError(f"{path}: question {qid} has no reward_model.ground_truth")
+            messages = tuple((str(m["role"]), str(m["content"])) for m in prompt)
+            questions.append(Question(qid, messages, str(truth), source))
+    if not questions:
+        raise ValueError(f"no questions in {[str(p) for p in paths]}")
+    return questions
+
+
+class DataCursor:
+    def __init__(self, count: int, seed: int, shuffle: bool = True):
+        if count <= 0:
+            raise ValueError("no questions to iterate over")
+        self.count, self.seed, self.shuffle = count, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.count)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.count)
+
+    def next_indices(self, size: int) -> list[int]:
+        """The next `size` question indices, crossing into the next epoch's permutation when needed."""
+        out: list[int] = []
+        while len(out) < size:
+            take = min(size - len(out), self.count - self.position)
+            out.extend(int(i) for i in self._order[self.position : self.position + take])
+            self.position += take
+            if self.position == self.count:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "count": self.count, "seed": self.seed}
+
+    def restore(self, state: dict[str, int]) -> None:
+        if state["count"] != self.count or state["seed"] != self.seed:
+            raise ValueError(f"checkpoint cursor is for {state['count']} questions / seed {state['seed']}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

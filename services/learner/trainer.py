@@ -1,0 +1,324 @@
+"""One RLEP training run: the step loop over the services, checkpoints and resume.
+
+A step (RLEP / DAPO-nodyn, defaults in config.py): B questions from the cursor -> rollout samples G
+each -> verifier scores them (+ overlong shaping) -> replay adds M stored successes per question ->
+advantages over each mixed group of G+M -> old logprobs of all G+M under the current weights ->
+PPO mini-batch updates with DAPO's loss -> new weights pushed to every rollout replica. M=0 is the
+baseline, on the same path.
+
+The policy object does the tensor work (a local `PolicyTrainer`, or `RayPolicy` spreading it over
+DeepSpeed processes); everything else here is bookkeeping and service calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rlep_common.algorithm import overlong_penalty
+from rlep_common.types import Group, Source, Trajectory, Verdict
+from services.learner.batch import ExperienceBatch, build_batch
+from services.learner.config import TrainConfig
+from services.learner.data import DataCursor, Question
+from services.learner.metrics import PHASES, LearnerMetrics
+from services.rollout.types import Sampling
+
+log = logging.getLogger(__name__)
+
+
+class Policy(Protocol):
+    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor: ...
+    def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None: ...
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None: ...
+    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]: ...
+    def rng_state(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Services:
+    rollout: Any  # RolloutClient
+    verifier: Any  # VerifierClient
+    replay: Any | None  # ReplayClient (needed when M > 0 or online replay is on)
+
+
+@dataclass
+class StepTimer:
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - started
+
+
+def step_seed(seed: int, step: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        model_dir: Path,
+        questions: list[Question],
+        policy: Policy,
+        services: Services,
+        pad_id: int,
+        metrics: LearnerMetrics | None = None,
+        eval_questions: list[Question] | None = None,
+        on_step: Callable[[dict], None] | None = None,
+    ):
+        self.config, self.model_dir, self.questions, self.policy = config, model_dir, questions, policy
+        self.services, self.pad_id, self.metrics = services, pad_id, metrics
+        self.eval_questions = eval_questions or []
+        self.on_step = on_step
+        self.cursor = DataCursor(len(questions), config.seed, config.data.shuffle)
+        self.step = 0
+        self.version = 0
+        algo = config.algorithm
+        if (algo.replayed_per_question > 0 or algo.online_replay) and services.replay is None:
+            raise ValueError("M > 0 or online replay needs a replay service")
+        self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
+
+    # -- start, resume, weights --------------------------------------------------------------
+    def start(self, resume: bool = False) -> None:
+        """Restores the latest checkpoint when asked, then makes every rollout replica serve our weights."""
+        ckpt = self.config.checkpoint.dir
+        if resume:
+            if ckpt is None or not (ckpt / "latest").exists():
+                raise FileNotFoundError(f"--resume: no checkpoint under {ckpt}")
+            state = self.policy.load_checkpoint(ckpt)
+            self.step = int(state["step"])
+            self.cursor.restore(state["cursor"])
+            random.setstate(_tuple_state(state["python_rng"]))
+            np.random.set_state(_tuple_state(state["numpy_rng"]))
+            torch.set_rng_state(state["torch_rng"])
+            log.info("resumed at step %d (cursor %s)", self.step, state["cursor"])
+        # Versions only grow per deployment: start above whatever the replicas serve now.
+        self.version = max(self.services.rollout.versions()) + 1
+        self.services.rollout.push_weights(self.policy.state_dict(), self.version)
+
+    def sync_rollout(self) -> None:
+        """Brings replicas that (re)joined since the last push to our version before they serve again."""
+        rollout = self.services.rollout
+        rollout.refresh()
+        stale = [r for r, s in zip(rollout.replicas, rollout.status(), strict=True) if s.policy_version != self.version]
+        if stale:
+            log.warning("bringing %d rollout replica(s) to version %d", len(stale), self.version)
+            rollout.push_weights(self.policy.state_dict(), self.version, replicas=stale)
+
+    # -- one step ----------------------------------------------------------------------------
+    def run(self, steps: int | None = None) -> list[dict]:
+        records = []
+        target = self.config.steps if steps is None else steps
+        while self.step < target:
+            records.append(self.train_step())
+        return records
+
+    def train_step(self) -> dict:
+        algo, timer = self.config.algorithm, StepTimer()
+        started = time.perf_counter()
+        questions = [self.questions[i] for i in self.cursor.next_indices(algo.questions_per_step)]
+        with timer.phase("rollout"):
+            self.sync_rollout()
+            completions = self.services.rollout.generate(
+                [q.chat() for q in questions],
+                Sampling(
+                    n=algo.fresh_per_question,
+                    temperature=algo.temperature,
+                    top_p=algo.top_p,
+                    max_tokens=algo.max_response_tokens,
+                    seed=step_seed(self.config.seed, self.step),
+                ),
+            )
+        with timer.phase("verify"):
+            fresh = self._score(questions, completions)
+        with timer.phase("replay"):
+            replayed = self._replayed(questions)
+        groups = [
+            Group(q.question_id, q.ground_truth, fresh[i] + replayed.get(q.question_id, []))
+            for i, q in enumerate(questions)
+        ]
+        batch = build_batch(groups, self.pad_id)
+        with timer.phase("train"):
+            batch = batch.with_old_logprobs(self.policy.logprobs(batch))
+            rows_per_mini = max(1, round(batch.size * algo.mini_batch_questions / algo.questions_per_step))
+            stats = self.policy.update(batch, rows_per_mini)
+        with timer.phase("weight_push"):
+            self.version += 1
+            self.services.rollout.push_weights(self.policy.state_dict(), self.version)
+        if algo.online_replay:
+            self._add_successes(fresh)
+        self.step += 1
+        record = self._record(questions, fresh, batch, stats, timer, time.perf_counter() - started)
+        if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
+            record["eval_accuracy"] = self.evaluate()
+        self._publish(record, timer)
+        ckpt = self.config.checkpoint
+        if ckpt.dir and (self.step % ckpt.every_steps == 0 or self.step == self.config.steps):
+            self.save_checkpoint()
+        return record
+
+    def _score(self, questions: list[Question], completions) -> list[list[Trajectory]]:
+        algo = self.config.algorithm
+        items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
+        outcomes = iter(self.services.verifier.verify(items))
+        groups = []
+        for q, completion in zip(questions, completions, strict=True):
+            group = []
+            for s in completion.samples:
+                outcome = next(outcomes)
+                reward = outcome.reward
+                if algo.overlong_buffer_tokens > 0:
+                    reward += float(
+                        overlong_penalty(
+                            torch.tensor([len(s.token_ids)]),
+                            algo.max_response_tokens,
+                            algo.overlong_buffer_tokens,
+                            algo.overlong_penalty,
+                        )[0]
+                    )
+                group.append(
+                    Trajectory(
+                        question_id=q.question_id,
+                        response_text=s.text,
+                        reward=reward,
+                        source=Source.FRESH,
+                        verdict=outcome.verdict,
+                        policy_version=s.policy_version,
+                        finish_reason=s.finish_reason,
+                        prompt_token_ids=tuple(completion.prompt_token_ids),
+                        response_token_ids=tuple(s.token_ids),
+                        behavior_logprobs=tuple(s.logprobs),
+                        run_id=self.config.run_id,
+                        created_at_ms=int(time.time() * 1000),
+                    )
+                )
+            groups.append(group)
+        return groups
+
+    def _replayed(self, questions: list[Question]) -> dict[str, list[Trajectory]]:
+        algo = self.config.algorithm
+        m = algo.replayed_per_question
+        if m == 0:
+            return {}
+        if algo.max_replayed_fraction is not None:
+            # replayed / (G + replayed) <= cap  =>  replayed <= cap * G / (1 - cap)
+            cap = algo.max_replayed_fraction
+            m = min(m, int(cap * algo.fresh_per_question / (1 - cap)) if cap < 1 else m)
+        sampled = self.services.replay.sample(
+            self.config.replay_pool,
+            [q.question_id for q in questions],
+            m=m,
+            strategy=algo.replay_strategy,
+            seed=step_seed(self.config.seed + 7919, self.step),
+        )
+        # The pool stores the successes' own prompts; a trajectory without tokens cannot be trained on.
+        return {
+            qid: [_as_replayed(t) for t in found if t.prompt_token_ids and t.response_token_ids]
+            for qid, found in sampled.items()
+        }
+
+    def _add_successes(self, fresh: list[list[Trajectory]]) -> None:
+        successes = [t for group in fresh for t in group if t.verdict == Verdict.CORRECT]
+        if successes:
+            self.services.replay.add(self.config.replay_pool, successes)
+
+    # -- evaluation, logging, checkpoints ----------------------------------------------------
+    def evaluate(self) -> float:
+        """Accuracy of the served policy (this step's weights) on the held-out questions."""
+        cfg = self.config.eval
+        questions = self.eval_questions[: cfg.max_questions]
+        completions = self.services.rollout.generate(
+            [q.chat() for q in questions],
+            Sampling(
+                n=cfg.samples_per_question,
+                temperature=cfg.temperature,
+                max_tokens=self.config.algorithm.max_response_tokens,
+                seed=self.config.seed,
+            ),
+        )
+        items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
+        outcomes = self.services.verifier.verify(items)
+        return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
+
+    def _record(self, questions, fresh, batch: ExperienceBatch, stats, timer: StepTimer, seconds: float) -> dict:
+        flat = [t for group in fresh for t in group]
+        lengths = [len(t.response_token_ids) for t in flat]
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "reward_mean": float(np.mean([t.reward for t in flat])),
+            "fresh_accuracy": float(np.mean([t.verdict == Verdict.CORRECT for t in flat])),
+            "replayed_fraction": float(batch.replayed.float().mean()),
+            "advantage_mean": float(batch.advantages.mean()),
+            "advantage_std": float(batch.advantages.std()) if batch.size > 1 else 0.0,
+            "clip_fraction": stats["clip_fraction"],
+            "approx_kl": stats["approx_kl"],
+            "entropy": stats["entropy"],
+            "loss": stats["loss"],
+            "lr": stats["lr"],
+            "response_length_mean": float(np.mean(lengths)),
+            "sequences": batch.size,
+            "step_seconds": seconds,
+            "phase_seconds": dict(timer.seconds),
+            "question_ids": [q.question_id for q in questions],
+        }
+
+    def _publish(self, record: dict, timer: StepTimer) -> None:
+        if self.metrics:
+            self.metrics.record({k: v for k, v in record.items() if isinstance(v, int | float)}, timer.seconds)
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.on_step:
+            self.on_step(record)
+
+    def save_checkpoint(self) -> Path:
+        ckpt = self.config.checkpoint
+        tag = f"step_{self.step}"
+        client_state = {
+            "step": self.step,
+            "cursor": self.cursor.state(),
+            "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            **self.policy.rng_state(),
+        }
+        self.policy.save_checkpoint(ckpt.dir, tag, client_state)
+        self.policy.save_hf(ckpt.dir / tag / "hf", self.model_dir)
+        tags = sorted((p for p in ckpt.dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+        for old in tags[: -ckpt.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return ckpt.dir / tag / "hf"
+
+
+def _as_replayed(t: Trajectory) -> Trajectory:
+    from dataclasses import replace
+
+    return replace(t, source=Source.REPLAY)
+
+
+def _tuple_state(state):
+    """RNG states come back from a checkpoint with lists where tuples were."""
+    if isinstance(state, list):
+        return tuple(_tuple_state(s) for s in state)
+    return state
