@@ -135,6 +135,8 @@ class TrainConfig(StrictModel):
     """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus /metrics of the learner (9464 in deployments)."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of /metrics (0.0.0.0 in containers)."""
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:

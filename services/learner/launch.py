@@ -145,6 +145,7 @@ class LocalStack:
         self.config, self.model_dir, self.app_name = config, model_dir, app_name
         self._actors: dict[str, Any] = {}
         self._serve_started = False
+        self.services: Services | None = None
         self.token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
 
     def start(self, need_replay: bool = True) -> Services:
@@ -169,7 +170,8 @@ class LocalStack:
                 "replay", {"redis_url": local.replay_redis_url, "server": auth}
             )
             replay = ReplayClient(replay_address, token=self.token)
-        return Services(rollout=rollout, verifier=verifier, replay=replay)
+        self.services = Services(rollout=rollout, verifier=verifier, replay=replay)
+        return self.services
 
     def _start_actor(self, kind: str, config: dict) -> str:
         actor = ServiceActor.remote(kind, config)

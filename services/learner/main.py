@@ -1,0 +1,101 @@
+"""`rlep train`: one training run over the services, on Ray (local by default, or a cluster)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.learner.config import TrainConfig
+from services.learner.data import load_questions
+from services.learner.launch import LocalStack, RayPolicy, init_ray
+from services.learner.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def pad_token_id(model_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"the tokenizer in {model_dir} has neither a pad nor an EOS token")
+    return int(pad)
+
+
+def run_training(
+    config: TrainConfig,
+    resume: bool = False,
+    ray_address: str | None = None,
+    stack: LocalStack | None = None,
+    on_step: Callable[[dict], None] | None = None,
+    show_progress: bool = True,
+) -> list[dict]:
+    """Runs `config.steps` steps (from the latest checkpoint with `resume`); returns the step records.
+
+    Pass a started `stack` to share services between runs (the demo's three phases do).
+    """
+    from services.rollout.engine import resolve_model
+
+    init_ray(ray_address)
+    model_dir = Path(resolve_model(config.model))
+    questions = load_questions(config.data.train_files)
+    eval_questions = load_questions(config.eval.files) if config.eval.files else []
+    own_stack = stack is None
+    stack = stack or LocalStack(config, model_dir)
+    algo = config.algorithm
+    services = stack.services if not own_stack else stack.start(algo.replayed_per_question > 0 or algo.online_replay)
+    policy = RayPolicy(model_dir, config)
+    metrics_server = _start_metrics(config)
+    try:
+        trainer = Trainer(
+            config,
+            model_dir,
+            questions,
+            policy,
+            services,
+            pad_token_id(model_dir),
+            metrics=metrics_server[1] if metrics_server else None,
+            eval_questions=eval_questions,
+            on_step=on_step,
+        )
+        trainer.start(resume)
+        with Progress(
+            TextColumn(f"[bold]{config.run_id}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            disable=not show_progress,
+        ) as progress:
+            task = progress.add_task("train", total=config.steps, completed=trainer.step, status="")
+            records = []
+            while trainer.step < config.steps:
+                record = trainer.train_step()
+                records.append(record)
+                status = f"acc {record['fresh_accuracy']:.2f} reward {record['reward_mean']:+.2f}"
+                if "eval_accuracy" in record:
+                    status += f" eval {record['eval_accuracy']:.2f}"
+                progress.update(task, completed=trainer.step, status=status)
+        return records
+    finally:
+        policy.close()
+        if metrics_server:
+            metrics_server[0].stop()
+        if own_stack:
+            stack.close()
+
+
+def _start_metrics(config: TrainConfig):
+    if config.metrics_port is None:
+        return None
+    from rlep_common.metrics import MetricsServer, service_registry
+    from services.learner.metrics import LearnerMetrics
+
+    registry = service_registry("learner")
+    metrics = LearnerMetrics(registry)
+    token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
+    return MetricsServer(registry, config.metrics_host, config.metrics_port, token), metrics

@@ -1,0 +1,141 @@
+"""The closed loop for real: vLLM rollout on Ray Serve, verifier, replay over Redis, DeepSpeed learner actors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlep_common.dataset import question_id
+from rlep_common.types import Trajectory, Verdict
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DATA_SOURCE = "test-arith"
+
+
+def arithmetic_parquet(path: Path, count: int, seed: int = 0) -> list[dict]:
+    """A verl-schema file of `a+b` questions (what DAPO-17k looks like, in miniature)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(count):
+        a, b = (int(x) for x in torch.randint(1, 50, (2,), generator=generator))
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}+{b}=?"}],
+                "ability": "math",
+                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+                "extra_info": {"index": i, "split": "train"},
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return rows
+
+
+def train_config(tmp_path: Path, data: Path, **algorithm):
+    from services.learner.config import TrainConfig
+
+    return TrainConfig.model_validate(
+        {
+            "run_id": "loop-test",
+            "model": "tiny",
+            "seed": 3,
+            "steps": 3,
+            "replay_pool": f"loop-{tmp_path.name}",
+            "algorithm": {
+                "questions_per_step": 4,
+                "fresh_per_question": 4,
+                "replayed_per_question": 2,
+                "max_response_tokens": 16,
+                "overlong_buffer_tokens": 4,
+                "mini_batch_questions": 2,
+                **algorithm,
+            },
+            "optim": {"lr": 1e-3, "warmup_steps": 1, "micro_batch_size": 8},
+            "deepspeed": {"zero_stage": 2},
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2},
+            "data": {"train_files": [str(data)]},
+            "local": {
+                "rollout_cpus": 0.5,
+                "learner_cpus": 0.5,
+                "rollout_engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256},
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def loop_stack(ray_local, tmp_path_factory, redis_url):
+    """Rollout (Ray Serve), verifier and replay (Ray actors) for the whole module."""
+    from rlep_common.tiny_model import cached_model
+    from services.learner.launch import LocalStack
+
+    tmp = tmp_path_factory.mktemp("stack")
+    config = train_config(tmp, tmp / "unused.parquet")
+    config = config.model_copy(update={"local": config.local.model_copy(update={"replay_redis_url": redis_url})})
+    stack = LocalStack(config, cached_model("tiny"), app_name="rlep-rollout-loop")
+    stack.start(need_replay=True)
+    yield stack
+    stack.close()
+
+
+def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None:
+    """Stores verified-correct answers for every question, as phase-1 collection would."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
+    trajectories = []
+    for row in rows:
+        prompt_text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tuple(tokenizer.encode(prompt_text, add_special_tokens=False))
+        qid = question_id(row["prompt"], row["data_source"])
+        truth = row["reward_model"]["ground_truth"]
+        for k in range(per_question):
+            text = f"{' ' * k}\\boxed{{{truth}}}"
+            response_ids = (*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id)
+            trajectories.append(
+                Trajectory(
+                    qid,
+                    text,
+                    1.0,
+                    verdict=Verdict.CORRECT,
+                    prompt_token_ids=prompt_ids,
+                    response_token_ids=response_ids,
+                )
+            )
+    stack.services.replay.add(pool, trajectories)
+
+
+def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
+    from services.learner.main import run_training
+
+    rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
+    config = train_config(tmp_path, tmp_path / "train.parquet")
+    seed_pool(loop_stack, config.replay_pool, rows)
+    before = loop_stack.services.rollout.versions()
+
+    records = run_training(config, stack=loop_stack, show_progress=False)
+
+    assert [r["step"] for r in records] == [1, 2, 3]
+    algo = config.algorithm
+    expected_fraction = algo.replayed_per_question / (algo.fresh_per_question + algo.replayed_per_question)
+    assert all(r["replayed_fraction"] == pytest.approx(expected_fraction) for r in records)
+    assert all(r["sequences"] == algo.questions_per_step * 6 for r in records)
+    # Every replica ends on the learner's final version, one push per step after the initial one.
+    assert loop_stack.services.rollout.versions() == [records[-1]["policy_version"]]
+    assert records[-1]["policy_version"] == max(before) + 1 + 3
+    # The weights moved: the final checkpoint differs from the starting model.
+    from safetensors.torch import load_file
+
+    start = load_file(str(loop_stack.model_dir / "model.safetensors"))
+    final = load_file(str(tmp_path / "ckpt" / "step_3" / "hf" / "model.safetensors"))
+    changed = [k for k in start if not torch.equal(start[k], final[k])]
+    assert len(changed) == len(start), f"unchanged tensors: {set(start) - set(changed)}"
+    log = [json.loads(line) for line in (tmp_path / "ckpt" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    assert all(set(r["phase_seconds"]) == {"rollout", "verify", "replay", "train", "weight_push"} for r in log)
