@@ -146,6 +146,7 @@ class LocalStack:
         self._actors: dict[str, Any] = {}
         self._serve_started = False
         self.services: Services | None = None
+        self.addresses: dict[str, str] = {}
         self.token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
 
     def start(self, need_replay: bool = True) -> Services:
@@ -164,12 +165,14 @@ class LocalStack:
             "verifier", {"num_workers": local.verifier_workers, "server": auth}
         )
         verifier = VerifierClient(verifier_address, token=self.token)
+        self.addresses["verifier"] = verifier_address
         replay = None
         if need_replay:
             replay_address = endpoints.replay or self._start_actor(
                 "replay", {"redis_url": local.replay_redis_url, "server": auth}
             )
             replay = ReplayClient(replay_address, token=self.token)
+            self.addresses["replay"] = replay_address
         self.services = Services(rollout=rollout, verifier=verifier, replay=replay)
         return self.services
 

@@ -139,3 +139,60 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     log = [json.loads(line) for line in (tmp_path / "ckpt" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3]
     assert all(set(r["phase_seconds"]) == {"rollout", "verify", "replay", "train", "weight_push"} for r in log)
+
+
+def _log_steps(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_path, ray_local):
+    """`rlep train` is killed (-9) after its step-2 checkpoint; `--resume` replays the exact question schedule."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    from services.learner.data import DataCursor, load_questions
+    from tests.integration.test_serve_cli import rlep_command
+
+    rows = arithmetic_parquet(tmp_path / "train.parquet", 10, seed=1)
+    config = train_config(tmp_path, tmp_path / "train.parquet").model_dump(mode="json")
+    services = loop_stack.services
+    config["steps"] = 6
+    config["endpoints"] = {
+        "rollout": [r.address for r in services.rollout.replicas],
+        "verifier": loop_stack.addresses["verifier"],
+        "replay": loop_stack.addresses["replay"],
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    seed_pool(loop_stack, config["replay_pool"], rows)
+    pool_before = services.replay.stats(config["replay_pool"]).trajectories
+    command = [*rlep_command(), "train", "--config", str(tmp_path / "train.yaml")]
+    command += ["--ray-address", ray_local.get_runtime_context().gcs_address]
+    log_path = tmp_path / "ckpt" / "log.jsonl"
+
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while len(_log_steps(log_path)) < 3 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    done_before_kill = [r["step"] for r in _log_steps(log_path)]
+    assert 3 <= len(done_before_kill) < 6, done_before_kill
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    records = _log_steps(log_path)
+    after_resume = records[len(done_before_kill) :]
+    assert [r["step"] for r in after_resume] == [3, 4, 5, 6]  # continued from the step-2 checkpoint
+    questions = load_questions([tmp_path / "train.parquet"])
+    cursor = DataCursor(len(questions), config["seed"], shuffle=True)
+    schedule = [[questions[i].question_id for i in cursor.next_indices(4)] for _ in range(6)]
+    by_step = {r["step"]: r["question_ids"] for r in records}  # the resumed run's record wins for a step
+    assert [by_step[s] for s in range(1, 7)] == schedule
+    assert services.replay.stats(config["replay_pool"]).trajectories == pool_before  # the pool is untouched
