@@ -1,0 +1,119 @@
+"""docker-compose.yml validates with Debian's `docker-compose config` (no engine needed) and wires what the
+services need: health checks, one config directory, the token as a secret; the Dockerfile copies what exists."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
+RLEP_SERVICES = {"verifier", "replay", "rollout", "eval", "learner"}
+TOKEN = "/run/secrets/rlep_auth_token"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail("docker-compose not found: install Debian's `docker-compose` package (.ci/run does)")
+    result = subprocess.run(
+        [binary, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def flags(service: dict) -> dict[str, str]:
+    """`--name=value` arguments of a service's command (the `--set` overrides are in `overrides`)."""
+    return dict(arg[2:].split("=", 1) for arg in service["command"] if arg.startswith("--") and "=" in arg)
+
+
+def overrides(service: dict) -> dict[str, str]:
+    return dict(arg.removeprefix("--set=").split("=", 1) for arg in service["command"] if arg.startswith("--set="))
+
+
+def mounts(service: dict) -> dict[str, tuple[str, str]]:
+    """target -> (source, mode); docker-compose 1.29 prints volumes as `source:target:mode`."""
+    return {target: (source, mode) for source, target, mode in (v.split(":") for v in service["volumes"])}
+
+
+def test_every_component_is_there_with_a_health_check(compose):
+    services = compose["services"]
+    assert set(services) == RLEP_SERVICES | {"redis", "prometheus", "grafana"}
+    for name, service in services.items():
+        assert service["healthcheck"]["test"][0] == "CMD", name
+
+
+def test_redis_keeps_an_fsynced_append_only_file(compose):
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
+
+
+def test_rlep_services_listen_on_all_interfaces_with_the_shared_config_and_token(compose):
+    # The learner is a client (no --host); its endpoints are checked in the next test.
+    for name in RLEP_SERVICES - {"learner"}:
+        service = compose["services"][name]
+        options = flags(service)
+        assert options["host"] == "0.0.0.0", name
+        assert options["auth-token-file"] == TOKEN, name
+        config = options["config"]
+        assert config.startswith("/etc/rlep/"), name
+        assert (REPO_ROOT / "configs" / config.removeprefix("/etc/rlep/")).is_file(), f"{name}: {config} missing"
+        assert service["secrets"][0]["source"] == "rlep_auth_token", name
+        assert mounts(service)["/etc/rlep"] == (str(REPO_ROOT / "configs"), "ro"), name
+
+
+def test_health_checks_use_the_image_script_on_each_service_port(compose):
+    ports = {"verifier": "grpc 127.0.0.1:50061", "replay": "grpc 127.0.0.1:50062", "rollout": "grpc 127.0.0.1:50063"}
+    ports |= {"eval": "http http://127.0.0.1:8080/healthz", "learner": "http http://127.0.0.1:9464/healthz"}
+    for name, target in ports.items():
+        test = compose["services"][name]["healthcheck"]["test"]
+        assert test[1:3] == ["python", "/opt/rlep/healthcheck.py"] and " ".join(test[3:]) == target, name
+    assert "COPY deploy/docker/healthcheck.py /opt/rlep/healthcheck.py" in DOCKERFILE.read_text()
+
+
+def test_services_reach_each_other_by_compose_name(compose):
+    services = compose["services"]
+    assert services["replay"]["environment"]["RLEP_REPLAY__REDIS_URL"] == "redis://redis:6379/0"
+    env = services["eval"]["environment"]
+    assert yaml.safe_load(env["RLEP_EVAL__ROLLOUT__ADDRESSES"]) == ["rollout:50063"]
+    assert env["RLEP_EVAL__VERIFIER__ADDRESS"] == "verifier:50061"
+    learner = flags(services["learner"])
+    assert learner["config"] == "/etc/rlep/train.yaml"
+    assert overrides(services["learner"]) == {
+        "endpoints.rollout": "[rollout:50063]",
+        "endpoints.verifier": "verifier:50061",
+        "endpoints.replay": "replay:50062",
+        "endpoints.auth_token_file": TOKEN,
+        "checkpoint.dir": "/checkpoints",
+        "metrics_host": "0.0.0.0",
+        "metrics_port": "9464",
+    }
+
+
+def test_prometheus_and_grafana_mount_the_shipped_monitoring_files(compose):
+    mounted = [source for name in ("prometheus", "grafana") for source, _ in mounts(compose["services"][name]).values()]
+    local = [source for source in mounted if source.startswith("/")]
+    assert len(local) == 3 and all(Path(source).exists() for source in local), local
+    assert compose["services"]["prometheus"]["secrets"][0]["source"] == "rlep_auth_token"
+
+
+def test_dockerfile_copies_only_what_exists_and_installs_like_bootstrap():
+    text = DOCKERFILE.read_text()
+    sources = [s for line in re.findall(r"^COPY (.+)$", text, re.M) for s in line.split()[:-1]]
+    assert sources, "no COPY lines found"
+    for source in sources:
+        assert (REPO_ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    ignore = (REPO_ROOT / "deploy/docker/Dockerfile.dockerignore").read_text().splitlines()
+    for source in sources:
+        assert f"!{source.rstrip('/')}" in {line.rstrip("/") for line in ignore}, f"{source} excluded by dockerignore"
+    assert "scripts/bootstrap.sh" in text and "torch==2.13.0+cpu" in text

@@ -1,0 +1,309 @@
+"""The Helm chart renders (in-process, helm-python-sdk) and every manifest validates against Kubernetes' schemas.
+
+RayService and ServiceMonitor are CRDs that kubernetes-validate has no schema for; their structure is
+checked here instead, and the configs the chart writes are parsed by the services' own config classes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+CHART = REPO_ROOT / "deploy" / "helm" / "rlep"
+KUBE_VERSION = "1.32.0"
+CRD_KINDS = {"RayService", "ServiceMonitor"}
+TOKEN_PATH = "/etc/rlep/secrets/auth-token"
+
+# Everything a production install changes: GPUs, sizes, placement, external Redis, monitoring on.
+CUSTOM_VALUES = {
+    "image": {"repository": "registry.example/rlep-gpu", "tag": "1.2.3"},
+    "auth": {"token": "t0ken"},
+    "redis": {"enabled": False, "externalUrl": "redis://:pw@redis.example:6379/0"},
+    "verifier": {"replicas": 3, "config": {"num_workers": 8, "item_timeout_s": 10.0}},
+    "replay": {"replicas": 2},
+    "eval": {"rolloutEndpoints": ["10.0.0.5:50063"], "dataVolume": {"persistentVolumeClaim": {"claimName": "data"}}},
+    "rollout": {
+        "replicas": 4,
+        "gpusPerReplica": 1,
+        "cpusPerReplica": 8,
+        "config": {"engine": {"model": "/models/qwen", "dtype": "bfloat16"}},
+        "worker": {
+            "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    },
+    "learner": {
+        "processes": 4,
+        "gpusPerProcess": 1,
+        "config": {"steps": 500, "algorithm": {"replayed_per_question": 2}},
+        "checkpoints": {"persistence": {"enabled": True, "storageClass": "fast"}},
+        "dataVolume": {"persistentVolumeClaim": {"claimName": "data"}},
+    },
+    "nodeSelector": {"pool": "rlep"},
+    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
+}
+
+
+def render(values: dict | None = None) -> list[dict]:
+    import helm_python
+
+    rendered = helm_python.Chart.load(str(CHART)).render(values or {}, name="rlep", namespace="ml")
+    # NOTES.txt is rendered too: it is text for the user, not a manifest.
+    docs = [doc for path, text in rendered.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+    assert docs, "the chart rendered nothing"
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+@pytest.fixture(scope="module", params=["default", "custom"])
+def manifests(request) -> list[dict]:
+    return render({} if request.param == "default" else CUSTOM_VALUES)
+
+
+def test_lint_is_clean():
+    import helm_python
+
+    report = helm_python.chart.lint(str(CHART), strict=True)
+    assert not report.get("errors"), report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+def test_every_manifest_validates_against_the_kubernetes_schema(manifests):
+    import kubernetes_validate
+
+    for doc in manifests:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {'.'.join(map(str, err.path))}: {err.message}")
+
+
+def test_default_install_has_every_component(manifests):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests}
+    for component in ("verifier", "replay", "eval"):
+        assert ("Deployment", f"rlep-{component}") in kinds and ("Service", f"rlep-{component}") in kinds
+    assert ("RayService", "rlep-rollout") in kinds and ("Job", "rlep-learner") in kinds
+    assert ("ConfigMap", "rlep-dashboard") in kinds
+
+
+def test_services_select_pods_the_chart_creates(manifests):
+    pod_labels = [t["metadata"]["labels"] for t in pod_templates(manifests)]
+    for name, service in by_kind(manifests, "Service").items():
+        selector = service["spec"]["selector"]
+        assert any(selector.items() <= labels.items() for labels in pod_labels), f"Service {name} selects no pod"
+        for port in service["spec"]["ports"]:
+            if isinstance(port["targetPort"], str):
+                named = {
+                    p["name"]
+                    for t in pod_templates(manifests)
+                    if selector.items() <= t["metadata"]["labels"].items()
+                    for c in t["spec"]["containers"]
+                    for p in c.get("ports", [])
+                }
+                assert port["targetPort"] in named, f"Service {name}: no container port {port['targetPort']!r}"
+
+
+def test_deployments_probe_grpc_health_or_http_healthz(manifests):
+    deployments = by_kind(manifests, "Deployment")
+    grpc_ports = {"rlep-verifier": 50061, "rlep-replay": 50062}
+    for name, port in grpc_ports.items():
+        [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (name, probe)
+        assert "--config=/etc/rlep/config/" + name.removeprefix("rlep-") + ".yaml" in container["command"]
+    [eval_container] = deployments["rlep-eval"]["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert eval_container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+
+
+def test_referenced_configmaps_and_secrets_exist(manifests):
+    configmaps, secrets = set(by_kind(manifests, "ConfigMap")), set(by_kind(manifests, "Secret"))
+    for template in pod_templates(manifests):
+        for volume in template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configmaps
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in secrets
+        for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] in secrets and ref["key"] in by_kind(manifests, "Secret")[ref["name"]]["data"]
+
+
+def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path):
+    from services.eval.config import EvalConfig
+    from services.learner.config import TrainConfig
+    from services.replay.config import ReplayConfig
+    from services.verifier.config import VerifierConfig
+
+    files = by_kind(manifests, "ConfigMap")["rlep-config"]["data"]
+    token = tmp_path / "token"
+    token.write_text("x\n")
+    # The init container fills in the rollout addresses when none are given in values.
+    resolve = load_resolver().with_addresses
+    parsed = {
+        "verifier": VerifierConfig.model_validate(local(files["verifier.yaml"], token)),
+        "replay": ReplayConfig.model_validate(local(files["replay.yaml"], token)),
+        "eval": EvalConfig.model_validate(
+            resolve(local(files["eval.yaml"], token), "rollout.addresses", ["10.0.0.9:40000"])
+        ),
+        "train": TrainConfig.model_validate(
+            resolve(local(files["train.yaml"], token), "endpoints.rollout", ["10.0.0.9:40000"])
+        ),
+    }
+    assert parsed["verifier"].server.host == "0.0.0.0" and parsed["verifier"].server.port == 50061
+    assert parsed["replay"].server.metrics_port == 9462
+    assert parsed["eval"].verifier.address == "rlep-verifier:50061"
+    assert parsed["train"].endpoints.replay == "rlep-replay:50062" and parsed["train"].metrics_port == 9464
+    assert parsed["train"].metrics_host == "0.0.0.0" and str(parsed["train"].checkpoint.dir) == "/checkpoints"
+
+
+def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from services.rollout.config import RolloutConfig
+    from services.rollout.ray_app import app_builder
+
+    [service] = by_kind(manifests, "RayService").values()
+    assert service["apiVersion"] == "ray.io/v1"
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    [app] = serve_config.applications
+    assert app.import_path == "services.rollout.ray_app:app_builder" and callable(app_builder)
+    token = tmp_path / "token"
+    token.write_text("x\n")
+    config = RolloutConfig.model_validate(local(yaml.safe_dump(app.args["config"]), token))
+    assert config.server.metrics_port == 9463
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    [workers] = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == app.args["num_replicas"] == app.deployments[0].num_replicas
+    [worker] = workers["template"]["spec"]["containers"]
+    assert {"containerPort": 9463, "name": "metrics"} in worker["ports"]
+
+
+def test_custom_values_reach_the_manifests():
+    docs = render(CUSTOM_VALUES)
+    [rayservice] = by_kind(docs, "RayService").values()
+    [workers] = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = workers["template"]["spec"]
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["containers"][0]["image"] == "registry.example/rlep-gpu:1.2.3"
+    assert spec["nodeSelector"] == {"pool": "rlep", "nvidia.com/gpu.product": "H100"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    [app] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    assert app["deployments"][0]["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 1}
+    assert app["args"]["config"]["engine"] == {"model": "/models/qwen", "dtype": "bfloat16"}
+    assert by_kind(docs, "Deployment")["rlep-verifier"]["spec"]["replicas"] == 3
+
+    job = by_kind(docs, "Job")["rlep-learner"]["spec"]["template"]["spec"]
+    assert job["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert job["initContainers"][0]["name"] == "resolve-rollout"
+    train = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"])
+    assert train["deepspeed"]["num_processes"] == 4 and train["steps"] == 500
+
+    assert "StatefulSet" not in {d["kind"] for d in docs}, "redis.enabled=false still rendered Redis"
+    secret = by_kind(docs, "Secret")["rlep-secrets"]["data"]
+    assert b64(secret["redis-url"]) == "redis://:pw@redis.example:6379/0" and b64(secret["auth-token"]) == "t0ken"
+    eval_spec = by_kind(docs, "Deployment")["rlep-eval"]["spec"]["template"]["spec"]
+    assert "initContainers" not in eval_spec, "explicit eval.rolloutEndpoints still resolved from Ray"
+    assert eval_spec["containers"][0]["command"][-1] == "--config=/etc/rlep/config/eval.yaml"
+
+
+def test_default_redis_is_a_persistent_aof_statefulset_behind_a_password():
+    docs = render()
+    [redis] = by_kind(docs, "StatefulSet").values()
+    [claim] = redis["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    [container] = redis["spec"]["template"]["spec"]["containers"]
+    assert "--appendfsync always" in container["args"][0] and '--requirepass "$REDIS_PASSWORD"' in container["args"][0]
+    secret = by_kind(docs, "Secret")["rlep-secrets"]["data"]
+    password = b64(secret["redis-password"])
+    assert len(password) == 32 and b64(secret["redis-url"]) == f"redis://:{password}@rlep-redis:6379/0"
+    assert len(b64(secret["auth-token"])) == 48
+
+
+def test_servicemonitor_scrapes_labelled_services_with_the_token():
+    docs = render(CUSTOM_VALUES)
+    [monitor] = by_kind(docs, "ServiceMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    scraped = [s for s in by_kind(docs, "Service").values() if selector.items() <= s["metadata"]["labels"].items()]
+    ports = {p["name"] for s in scraped for p in s["spec"]["ports"]}
+    endpoints = monitor["spec"]["endpoints"]
+    assert {e["port"] for e in endpoints} <= ports
+    names = {s["metadata"]["name"] for s in scraped}
+    assert names == {"rlep-verifier", "rlep-replay", "rlep-eval", "rlep-rollout-metrics", "rlep-learner"}
+    for endpoint in endpoints:
+        credentials = endpoint["authorization"]["credentials"]
+        assert endpoint["path"] == "/metrics" and credentials == {"name": "rlep-secrets", "key": "auth-token"}
+    assert "ServiceMonitor" not in {d["kind"] for d in render()}, "ServiceMonitor should be off by default"
+
+
+def test_dashboard_configmap_is_the_shipped_dashboard():
+    [configmap] = [d for d in render() if d["metadata"]["name"] == "rlep-dashboard"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((REPO_ROOT / "deploy/monitoring/grafana/rlep.json").read_text())
+    assert json.loads(configmap["data"]["rlep.json"]) == shipped
+
+
+def test_learner_init_container_asks_the_rayservice_head():
+    docs = render()
+    job = by_kind(docs, "Job")["rlep-learner"]["spec"]["template"]["spec"]
+    [init] = job["initContainers"]
+    assert "--ray-address=ray://rlep-rollout-head-svc:10001" in init["command"]
+    assert "--key=endpoints.rollout" in init["command"]
+    [shell, flag, script] = job["containers"][0]["command"]
+    assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/run/rlep/train.yaml" in script
+    assert "[ -e /checkpoints/latest ]" in script, "a retried learner pod must resume from its checkpoint"
+    scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["resolve_rollout.py"]
+    assert scripts.strip() == (CHART / "files" / "resolve_rollout.py").read_text().strip()
+
+
+def test_missing_redis_url_fails_with_a_clear_message():
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="set redis.externalUrl"):
+        render({"redis": {"enabled": False}})
+
+
+def pod_templates(docs: list[dict]) -> list[dict]:
+    templates = []
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+            templates.append(doc["spec"]["template"])
+        elif doc["kind"] == "RayService":
+            cluster = doc["spec"]["rayClusterConfig"]
+            templates += [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    return templates
+
+
+def local(text: str, token: Path) -> dict:
+    """A rendered config with the in-pod token path pointed at a local file (the classes check it exists)."""
+    return yaml.safe_load(text.replace(TOKEN_PATH, str(token)))
+
+
+def b64(value: str) -> str:
+    import base64
+
+    return base64.b64decode(value).decode()
+
+
+def load_resolver():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("resolve_rollout", CHART / "files" / "resolve_rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
