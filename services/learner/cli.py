@@ -69,7 +69,8 @@ def collect(
     from rich.console import Console
     from rich.table import Table
 
-    from services.learner.collect import CollectConfig, collect as run_collect, push_checkpoint
+    from services.learner.collect import CollectConfig, push_checkpoint
+    from services.learner.collect import collect as run_collect
     from services.learner.data import load_questions
     from services.learner.launch import LocalStack, init_ray
     from services.rollout.engine import resolve_model

@@ -44,7 +44,9 @@ class ServiceActor:
     """Hosts a verifier or replay service (its gRPC server and workers) inside Ray."""
 
     def __init__(self, kind: str, config: dict[str, Any]):
-        host = ray.util.get_node_ip_address()
+        from services.rollout.ray_app import bind_address
+
+        host = bind_address()
         config = {**config, "server": {**config.get("server", {}), "host": host, "port": 0}}
         if kind == "verifier":
             from services.verifier.config import VerifierConfig

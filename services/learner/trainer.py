@@ -119,7 +119,9 @@ class Trainer:
         """Brings replicas that (re)joined since the last push to our version before they serve again."""
         rollout = self.services.rollout
         rollout.refresh()
-        stale = [r for r, s in zip(rollout.replicas, rollout.status(), strict=True) if s.policy_version != self.version]
+        checked = [(replica, status) for replica, status in rollout.check() if status is not None]
+        rollout.set_serving([replica for replica, _ in checked])  # a failed push below takes one out again
+        stale = [replica for replica, status in checked if status.policy_version != self.version]
         if stale:
             log.warning("bringing %d rollout replica(s) to version %d", len(stale), self.version)
             rollout.push_weights(self.policy.state_dict(), self.version, replicas=stale)

@@ -118,6 +118,9 @@ class RolloutClient:
         self._token, self._timeout_s = token, timeout_s
         self._max_prompts_per_call, self._attempts = max_prompts_per_call, attempts
         self.replicas = [self._connect(a) for a in addresses]
+        # Replicas that serve generation; None = all. A replica found down is left out until a
+        # check finds it up and on the right weights again (see `check`, `set_serving`).
+        self._serving: list[Replica] | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rollout-client")
         self._resolve: Callable[[], Sequence[str]] | None = None
 
@@ -144,7 +147,27 @@ class RolloutClient:
         known = {r.address: r for r in self.replicas}
         addresses = list(self._resolve())
         self.replicas = [known.get(a) or self._connect(a) for a in addresses]
+        if self._serving is not None:
+            self._serving = [r for r in self._serving if r.address in addresses]
         return [a for a in addresses if a not in known]
+
+    def serving(self) -> list[Replica]:
+        return self._serving if self._serving else self.replicas
+
+    def set_serving(self, replicas: Sequence[Replica]) -> None:
+        self._serving = list(replicas)
+
+    def check(self, timeout_s: float = 10.0) -> list[tuple[Replica, rollout_pb2.RolloutStatus | None]]:
+        """Every replica with its status, or None when it does not answer (down or restarting)."""
+        out = []
+        for replica in self.replicas:
+            try:
+                out.append((replica, replica.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=timeout_s)))
+            except grpc.RpcError as err:
+                if err.code() not in FAILOVER_CODES:
+                    raise
+                out.append((replica, None))
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -155,13 +178,14 @@ class RolloutClient:
         if not prompts:
             return []
         protos = [prompt_to_proto(p) for p in prompts]
+        replicas = self.serving()
         shards = []
-        for whole in split_evenly(len(protos), len(self.replicas)):
+        for whole in split_evenly(len(protos), len(replicas)):
             for start in range(whole.start, whole.stop, self._max_prompts_per_call):
                 shards.append(range(start, min(start + self._max_prompts_per_call, whole.stop)))
         options = sampling_to_proto(sampling)
         futures = [
-            self._pool.submit(self._generate_shard, protos[s.start : s.stop], options, i % len(self.replicas))
+            self._pool.submit(self._generate_shard, replicas, protos[s.start : s.stop], options, i % len(replicas))
             for i, s in enumerate(shards)
         ]
         out: list[Completion] = []
@@ -169,11 +193,11 @@ class RolloutClient:
             out.extend(future.result())
         return out
 
-    def _generate_shard(self, prompts, options, first: int) -> list[Completion]:
+    def _generate_shard(self, replicas: list[Replica], prompts, options, first: int) -> list[Completion]:
         request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=options)
         errors = []
-        for attempt in range(self._attempts * len(self.replicas)):
-            replica = self.replicas[(first + attempt) % len(self.replicas)]
+        for attempt in range(self._attempts * len(replicas)):
+            replica = replicas[(first + attempt) % len(replicas)]
             try:
                 reply = replica.stub.Generate(request, timeout=self._timeout_s)
             except grpc.RpcError as err:
@@ -190,7 +214,8 @@ class RolloutClient:
         return [r.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=30) for r in self.replicas]
 
     def versions(self) -> list[int]:
-        return [s.policy_version for s in self.status()]
+        """Policy versions of the replicas that answer."""
+        return [s.policy_version for _, s in self.check() if s is not None]
 
     def push_weights(
         self,
@@ -204,7 +229,7 @@ class RolloutClient:
         `transport`: "stream" (safetensors bytes in chunks, any host), "shared_file" (one file in
         shared memory, replicas on this host only), or "auto" (shared_file when every replica is local).
         """
-        targets = list(replicas if replicas is not None else self.replicas)
+        targets = list(replicas if replicas is not None else self.serving())
         if transport == "auto":
             transport = "shared_file" if all(_is_local(r.address) for r in targets) else "stream"
         if transport not in ("stream", "shared_file"):
@@ -225,8 +250,25 @@ class RolloutClient:
             path.unlink(missing_ok=True)
 
     def _push_all(self, targets: Sequence[Replica], messages) -> list[rollout_pb2.UpdateWeightsResponse]:
-        futures = [self._pool.submit(r.stub.UpdateWeights, messages(), timeout=self._timeout_s) for r in targets]
-        return [f.result() for f in futures]
+        """Pushes to every target. A replica that is down is taken out of serving (the next check
+        brings it back once it answers and has been updated); every other error is raised."""
+        futures = [(r, self._pool.submit(r.stub.UpdateWeights, messages(), timeout=self._timeout_s)) for r in targets]
+        replies, down = [], []
+        for replica, future in futures:
+            try:
+                replies.append(future.result())
+            except grpc.RpcError as err:
+                if err.code() not in FAILOVER_CODES:
+                    raise
+                log.warning(
+                    "rollout replica %s is down (%s); it gets the weights when it is back", replica.address, err.code()
+                )
+                down.append(replica)
+        if down:
+            if len(down) == len(targets):
+                raise RolloutError(f"no rollout replica took the weights: {[r.address for r in down]} are down")
+            self._serving = [r for r in self.serving() if r not in down]
+        return replies
 
 
 def stream_file(header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:

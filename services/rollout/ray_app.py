@@ -95,7 +95,7 @@ class RolloutReplica:
 
         parsed = RolloutConfig.model_validate(config)
         # Reachable from the rest of the cluster unless the config pins a host.
-        host = parsed.server.host if parsed.server.host != "127.0.0.1" else _node_address()
+        host = parsed.server.host if parsed.server.host != "127.0.0.1" else bind_address()
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         server = parsed.server.model_copy(update={"host": host, "port": 0})
         self._running = start_rollout(parsed.model_copy(update={"server": server, "replica_id": self._replica_id}))
@@ -119,8 +119,11 @@ class RolloutReplica:
             pass
 
 
-def _node_address() -> str:
-    # Single-node clusters report the node's own IP; binding it keeps the replica off 0.0.0.0.
+def bind_address() -> str:
+    """Where a replica binds: loopback on a one-node cluster (nothing else needs to reach it),
+    else the node's IP so other nodes can (never 0.0.0.0)."""
+    if len([n for n in ray.nodes() if n.get("Alive")]) <= 1:
+        return "127.0.0.1"
     return ray.util.get_node_ip_address()
 
 

@@ -308,6 +308,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 vocab_size=self._engine.vocab_size,
                 replica_id=self._replica_id,
                 generated_tokens=self._engine.generated_tokens,
+                pid=os.getpid(),
             )
 
 

@@ -1,0 +1,111 @@
+"""Faults during training steps: a rollout replica dies, a verifier worker dies. No step and no data are lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rlep_common.types import Verdict
+from tests.integration.test_learner_loop import arithmetic_parquet, seed_pool, train_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+APP = "rlep-rollout-faults"
+
+
+@pytest.fixture(scope="module")
+def fault_setup(ray_local, tmp_path_factory, redis_url):
+    """Two rollout replicas on Ray Serve, verifier and replay actors, one DeepSpeed learner actor."""
+    from rlep_common.tiny_model import cached_model
+    from services.learner.data import load_questions
+    from services.learner.launch import LocalStack, RayPolicy
+    from services.learner.main import pad_token_id
+    from services.learner.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("faults")
+    rows = arithmetic_parquet(tmp / "train.parquet", 16, seed=2)
+    config = train_config(
+        tmp,
+        tmp / "train.parquet",
+        questions_per_step=8,
+        fresh_per_question=8,
+        max_response_tokens=48,
+        overlong_buffer_tokens=0,
+        mini_batch_questions=8,
+    )
+    local = config.local.model_copy(update={"rollout_replicas": 2, "replay_redis_url": redis_url})
+    config = config.model_copy(update={"local": local, "steps": 100})
+    model_dir = cached_model("tiny")
+    stack = LocalStack(config, model_dir, app_name=APP)
+    services = stack.start(need_replay=True)
+    seed_pool(stack, config.replay_pool, rows)
+    policy = RayPolicy(model_dir, config)
+    trainer = Trainer(
+        config, model_dir, load_questions([tmp / "train.parquet"]), policy, services, pad_token_id(model_dir)
+    )
+    trainer.start()
+    yield trainer, stack
+    policy.close()
+    stack.close()
+
+
+def _replica_pids(trainer) -> list[int]:
+    trainer.services.rollout.refresh()
+    return [s.pid for s in trainer.services.rollout.status()]
+
+
+def test_rollout_replica_killed_mid_step(fault_setup):
+    trainer, stack = fault_setup
+    assert len(trainer.services.rollout.replicas) == 2
+    victim = _replica_pids(trainer)[0]
+    first = trainer.train_step()
+    # The kill lands while the next step is generating; its shard is retried on the other replica.
+    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+    second = trainer.train_step()
+    assert second["step"] == first["step"] + 1
+    assert second["sequences"] == 8 * (8 + 2)  # nothing lost: every question got all G fresh samples
+
+    # Serve restarts the replica; the next step brings it to the learner's version before it serves.
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        record = trainer.train_step()
+        if len(trainer.services.rollout.replicas) == 2 and victim not in _replica_pids(trainer):
+            break
+    else:
+        pytest.fail("the killed rollout replica did not come back within 300 s")
+    trainer.train_step()
+    assert trainer.services.rollout.versions() == [trainer.version, trainer.version]
+    assert record["sequences"] == 80
+
+
+def test_verifier_worker_crash_mid_step_costs_nothing(fault_setup):
+    import ray
+
+    trainer, stack = fault_setup
+    real = trainer.services.verifier
+    pids = ray.get(stack.actor("verifier").pids.remote())
+    seen: list = []
+
+    class CrashingVerifier:
+        """The real client; the worker process is killed just as this step's batch goes out to it."""
+
+        def verify(self, items):
+            os.kill(pids[0], signal.SIGKILL)
+            outcomes = real.verify(items)
+            seen.append((len(items), outcomes))
+            return outcomes
+
+    trainer.services.verifier = CrashingVerifier()
+    try:
+        record = trainer.train_step()
+    finally:
+        trainer.services.verifier = real
+    [(count, outcomes)] = seen
+    assert len(outcomes) == count == 64
+    assert not [o for o in outcomes if o.verdict == Verdict.ERROR]
+    assert record["sequences"] == 80
+    assert ray.get(stack.actor("verifier").pids.remote()) != pids  # the dead worker was replaced
