@@ -114,6 +114,33 @@ def collect(
     Console().print(table)
 
 
+def demo(
+    seed: Annotated[int, typer.Option(help="Seed of the data, the warm-up and both RL runs.")] = 0,
+    out_dir: Annotated[Path, typer.Option(help="Where checkpoints, results.json and accuracy.png go.")] = Path(
+        "rlep-demo"
+    ),
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and exit.")] = False,
+) -> None:
+    """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
+    from rlep_common.config import parse_override
+    from services.learner.demo import DemoConfig
+
+    overrides = dict(parse_override(s) for s in set_ or [])
+    try:
+        config = DemoConfig.model_validate({"seed": seed, "out_dir": str(out_dir), **overrides})
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    if dry_run:
+        typer.echo(json.dumps(config.model_dump(mode="json"), indent=2))
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.learner.demo import run_demo
+
+    run_demo(config)
+
+
 def register(app: typer.Typer) -> None:
     app.command("train")(train)
     app.command("collect")(collect)
+    app.command("demo")(demo)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 import torch
 
@@ -114,6 +115,9 @@ class Trainer:
         # Versions only grow per deployment: start above whatever the replicas serve now.
         self.version = max(self.services.rollout.versions()) + 1
         self.services.rollout.push_weights(self.policy.state_dict(), self.version)
+        if self.step == 0 and self.eval_questions and self.config.eval.every_steps:
+            # Where the run starts from: step 0 of the accuracy curve.
+            self._publish({"step": 0, "policy_version": self.version, "eval_accuracy": self.evaluate()}, StepTimer())
 
     def sync_rollout(self) -> None:
         """Brings replicas that (re)joined since the last push to our version before they serve again."""
@@ -225,13 +229,20 @@ class Trainer:
             # replayed / (G + replayed) <= cap  =>  replayed <= cap * G / (1 - cap)
             cap = algo.max_replayed_fraction
             m = min(m, int(cap * algo.fresh_per_question / (1 - cap)) if cap < 1 else m)
-        sampled = self.services.replay.sample(
-            self.config.replay_pool,
-            [q.question_id for q in questions],
-            m=m,
-            strategy=algo.replay_strategy,
-            seed=step_seed(self.config.seed + 7919, self.step),
-        )
+        try:
+            sampled = self.services.replay.sample(
+                self.config.replay_pool,
+                [q.question_id for q in questions],
+                m=m,
+                strategy=algo.replay_strategy,
+                seed=step_seed(self.config.seed + 7919, self.step),
+            )
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # Nothing collected (yet): train on the fresh samples alone, and say so.
+            log.warning("replay pool %r does not exist: no replayed samples this step", self.config.replay_pool)
+            return {}
         # The pool stores the successes' own prompts; a trajectory without tokens cannot be trained on.
         return {
             qid: [_as_replayed(t) for t in found if t.prompt_token_ids and t.response_token_ids]

@@ -43,6 +43,19 @@ def test_bad_settings_are_usage_errors(args):
     assert result.exit_code == 2
 
 
-def test_demo_says_it_is_not_built_yet():
-    result = runner.invoke(app, ["demo"])
-    assert result.exit_code == 3 and "not built yet" in result.output
+def test_demo_resolves_its_settings():
+    result = runner.invoke(app, ["demo", "--seed", "4", "--set", "steps=12", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)
+    assert config["seed"] == 4 and config["steps"] == 12 and config["replayed_per_question"] == 2
+
+
+@pytest.mark.parametrize("args", [["--set", "steps=0"], ["--set", "nope=1"]])
+def test_demo_refuses_bad_settings(args):
+    assert runner.invoke(app, ["demo", *args, "--dry-run"]).exit_code == 2
+
+
+def test_train_dry_run_reads_overrides():
+    result = runner.invoke(app, ["train", "--set", "algorithm.replayed_per_question=0", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["algorithm"]["replayed_per_question"] == 0
