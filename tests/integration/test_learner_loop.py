@@ -196,3 +196,19 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     by_step = {r["step"]: r["question_ids"] for r in records}  # the resumed run's record wins for a step
     assert [by_step[s] for s in range(1, 7)] == schedule
     assert services.replay.stats(config["replay_pool"]).trajectories == pool_before  # the pool is untouched
+
+
+def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
+    from services.learner.collect import CollectConfig, collect
+    from services.learner.data import load_questions
+
+    arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
+    questions = load_questions([tmp_path / "train.parquet"])
+    config = CollectConfig(samples_per_question=4, max_response_tokens=12, questions_per_chunk=4, min_successes=1)
+    state = tmp_path / "collect.json"
+    pool = f"collect-{tmp_path.name}"
+    stats = collect(loop_stack.services, questions, pool, config, state_file=state, show_progress=False)
+    assert (stats.questions, stats.samples, stats.chunks_done) == (6, 24, 2)
+    assert json.loads(state.read_text())["chunks_done"] == 2
+    again = collect(loop_stack.services, questions, pool, config, state_file=state, show_progress=False)
+    assert again.samples == 24  # resumed past the finished chunks: nothing sampled twice
