@@ -50,6 +50,11 @@ SERVICES: dict[str, ServiceEntry] = {
         "services.rollout.main:serve_forever",
         "One vLLM worker (rlep.rollout.v1.Rollout): generates groups, takes weight pushes in place.",
     ),
+    "eval": ServiceEntry(
+        "services.eval.config:EvalConfig",
+        "services.eval.main:serve_forever",
+        "Evaluation jobs over REST (default port 8080): Avg/Maj/Pass@N through rollout + verifier, kept in Redis.",
+    ),
 }
 
 
@@ -153,6 +158,42 @@ def proto_check() -> None:
         typer.echo("stale stubs (run `rlep proto gen`): " + ", ".join(stale), err=True)
         raise typer.Exit(1)
     typer.echo("stubs match their .proto files")
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help='"current" (the policy being served) or a checkpoint path on the server.')],
+    datasets: Annotated[
+        str, typer.Option(help="Comma-separated built-in names or server-side file paths, each NAME or NAME:LIMIT.")
+    ],
+    n: Annotated[int, typer.Option(help="Samples per question.")] = 1,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.6,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per sample.")] = 1024,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    server: Annotated[str, typer.Option(help="Base URL of the eval service.")] = "http://127.0.0.1:8080",
+    auth_token_file: Annotated[Path | None, typer.Option(help="Bearer token file of the eval service.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the finished job as JSON instead of a table.")] = False,
+) -> None:
+    """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N."""
+    from pydantic import ValidationError
+
+    from services.eval.api import EvaluationRequest
+    from services.eval.cli import parse_datasets, run_eval
+
+    try:
+        request = EvaluationRequest(
+            model=model,
+            datasets=parse_datasets(datasets),
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+        )
+    except ValidationError as err:
+        raise typer.BadParameter(str(err)) from err
+    run_eval(server, auth_token_file, request, as_json=as_json)
 
 
 @app.command()

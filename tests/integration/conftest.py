@@ -135,3 +135,67 @@ def ray_local():
 
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def eval_rollout(auth_token_file):
+    """Eval's own rollout deployment (a second tiny vLLM worker): evaluating a checkpoint pushes weights here,
+    never to the `rollout` fixture, which stands for the policy being trained."""
+    from services.rollout.config import RolloutConfig
+    from services.rollout.main import start_rollout
+
+    config = RolloutConfig(
+        server=ServerConfig(port=0, auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE, max_n=64
+    )
+    running = start_rollout(config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def eval_config(rollout, verifier, redis_url, auth_token_file):
+    """An eval service config over the session's real rollout and verifier, small limits, a 2 s lease, and a
+    fresh Redis key prefix (deleted afterwards: the CI Redis is shared). No checkpoint_rollout: tests that
+    evaluate checkpoints add `eval_rollout`."""
+    import uuid
+
+    import redis
+
+    from services.eval.config import EvalConfig
+
+    token = {"auth_token_file": str(auth_token_file)}
+    config = EvalConfig.model_validate(
+        {
+            "server": {"port": 0, **token},
+            "redis_url": redis_url,
+            "key_prefix": f"rlep:eval:test-{uuid.uuid4().hex[:8]}:",
+            "rollout": {"addresses": [f"127.0.0.1:{rollout.port}"], "timeout_s": 300, **token},
+            "verifier": {"address": f"127.0.0.1:{verifier.port}", **token},
+            "limits": {"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_queued_jobs": 20},
+            "questions_per_call": 4,
+            "lease_s": 2,
+        }
+    )
+    yield config
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{config.key_prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def eval_service(eval_config):
+    """A real eval service (HTTP on a free loopback port, jobs in Redis) for one test."""
+    from services.eval.main import start_eval
+
+    running = start_eval(eval_config)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def eval_client(eval_service, auth_token_file):
+    from services.eval.client import EvalClient
+
+    with EvalClient(eval_service.url, token=auth_token_file.read_text().strip()) as client:
+        yield client

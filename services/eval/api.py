@@ -1,0 +1,114 @@
+"""The REST contract of the eval service: request and response bodies (they become the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.eval.core import CURRENT_POLICY
+
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class DatasetRequest(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=4096, examples=["amc23", "/data/my_eval.jsonl"])
+    """A built-in set (aime24, aime25, amc23, math500, gsm8k) or the path, on the eval server, of a .jsonl file
+    (problem, answer) or a verl .parquet file (prompt, reward_model.ground_truth)."""
+    limit: int | None = Field(None, ge=1)
+    """Evaluate only the first `limit` questions."""
+
+
+class EvaluationRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str = Field(min_length=1, max_length=4096, examples=[CURRENT_POLICY, "/ckpt/step_200"])
+    """"current" (the policy the rollout deployment serves now) or the path, on the eval server, of a checkpoint:
+    an HF directory with *.safetensors or one .safetensors file, pushed to eval's own rollout deployment."""
+    datasets: list[DatasetRequest] = Field(min_length=1)
+    """Evaluated in this order."""
+    n: int = Field(1, ge=1)
+    """Samples per question (at most the server's limits.max_n)."""
+    temperature: float = Field(0.6, ge=0, le=100, allow_inf_nan=False)
+    """0 = greedy."""
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: int = Field(1024, ge=1)
+    """New tokens per sample; prompt + max_tokens must fit the model."""
+    seed: int | None = Field(0, ge=0, le=2**63 - 1)
+    """Sampling seed (reproducible results); null for fresh randomness."""
+
+
+class Progress(BaseModel):
+    questions_done: int = 0
+    questions_total: int = 0
+    samples_done: int = 0
+    current_dataset: str | None = None
+    """The dataset being evaluated now (null when none is)."""
+
+
+class DatasetResult(BaseModel):
+    """Figures over the questions scored so far (all of them once the job succeeded)."""
+
+    dataset: str
+    questions_total: int
+    """Questions this job evaluates from the dataset."""
+    questions: int
+    """Questions scored so far."""
+    samples: int
+    avg_at_n: float | None
+    """Mean accuracy over all samples; null until a question is scored."""
+    maj_at_n: float | None
+    """Share of questions whose majority answer is correct."""
+    pass_at_n: float | None
+    """Share of questions with at least one correct sample."""
+    mean_response_tokens: float | None
+    correct: int
+    majority_correct: int
+    any_correct: int
+    response_tokens: int
+    unparseable: int
+    """Samples whose answer could not be found or parsed (verdict `unparseable`)."""
+    truncated: int
+    """Samples stopped by max_tokens."""
+    verdicts: dict[str, int]
+    """Samples per verifier verdict (correct, wrong, unparseable, timeout, gold_unparseable, error)."""
+
+
+class EvaluationJob(BaseModel):
+    id: str
+    status: JobStatus
+    request: EvaluationRequest
+    created_at: float
+    """Unix time, seconds."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    """Why the job failed (or was cancelled)."""
+    progress: Progress
+    policy_versions: list[int] = []
+    """Policy versions that produced the samples (a checkpoint: the version it was pushed as)."""
+    results: list[DatasetResult] = []
+    """One entry per dataset begun, in request order."""
+
+
+class JobList(BaseModel):
+    jobs: list[EvaluationJob]
+    """Newest first."""
+
+
+class ErrorBody(BaseModel):
+    detail: str | list[dict]
+    """What was wrong (validation errors: one entry per problem, with its location)."""

@@ -1,0 +1,102 @@
+"""Typed HTTP client of the eval service, used by `rlep eval` and the tests.
+
+Reads (GET) and cancels (DELETE) are idempotent and retried on transport errors and 5xx, which clear up
+on their own (a restarting service, Redis failing over); a submission is never retried, so it cannot
+queue a job twice. A 4xx is the caller's mistake and raises `EvalApiError` with the server's reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from services.eval.api import TERMINAL_STATUSES, EvaluationJob, EvaluationRequest, JobList, JobStatus
+
+# Every endpoint answers from Redis (a submission also reads its datasets): seconds at most.
+REQUEST_TIMEOUT_S = 60.0
+RETRIES = 3
+RETRY_BACKOFF_S = 0.5
+
+
+class EvalApiError(RuntimeError):
+    """The service refused a request; `status_code` and `detail` say why."""
+
+    def __init__(self, status_code: int, detail: Any):
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code, self.detail = status_code, detail
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        return response.json().get("detail", response.text)
+    except ValueError:
+        return response.text
+
+
+class EvalClient:
+    """`EvalClient("http://127.0.0.1:8080", token).submit(EvaluationRequest(...))`."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EvalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, retry: bool, **kwargs: Any) -> Any:
+        for attempt in range(RETRIES if retry else 1):
+            last = attempt == (RETRIES if retry else 1) - 1
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError:
+                if last:
+                    raise
+            else:
+                if response.is_success:
+                    return response.json()
+                if response.status_code < 500 or last:
+                    raise EvalApiError(response.status_code, _detail(response))
+            time.sleep(RETRY_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def submit(self, request: EvaluationRequest) -> EvaluationJob:
+        body = request.model_dump(mode="json")
+        return EvaluationJob.model_validate(self._call("POST", "/v1/evaluations", retry=False, json=body))
+
+    def get(self, job_id: str) -> EvaluationJob:
+        return EvaluationJob.model_validate(self._call("GET", f"/v1/evaluations/{job_id}", retry=True))
+
+    def list(self, limit: int = 50, status: JobStatus | None = None) -> list[EvaluationJob]:
+        params: dict[str, Any] = {"limit": limit} | ({"status": status.value} if status else {})
+        return JobList.model_validate(self._call("GET", "/v1/evaluations", retry=True, params=params)).jobs
+
+    def cancel(self, job_id: str) -> EvaluationJob:
+        return EvaluationJob.model_validate(self._call("DELETE", f"/v1/evaluations/{job_id}", retry=True))
+
+    def wait(
+        self,
+        job_id: str,
+        timeout_s: float | None = None,
+        poll_s: float = 1.0,
+        on_update: Callable[[EvaluationJob], None] | None = None,
+    ) -> EvaluationJob:
+        """Polls until the job is succeeded, failed or cancelled; raises TimeoutError after `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.get(job_id)
+            if on_update is not None:
+                on_update(job)
+            if job.status in TERMINAL_STATUSES:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.status} after {timeout_s} s")
+            time.sleep(poll_s)

@@ -1,0 +1,124 @@
+"""Configuration of the evaluation service: where it listens, which services it drives, and job limits.
+
+The service talks to two rollout deployments. `rollout` is the policy being trained (what
+`model: "current"` evaluates, read-only). `checkpoint_rollout` belongs to eval alone: evaluating a
+checkpoint pushes its weights there as a new policy version, so it must not be the deployment the
+learner trains with (its policy would be replaced). Without `checkpoint_rollout`, checkpoint
+evaluations are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from rlep_common.config import StrictModel
+
+DEFAULT_PORT = 8080
+
+
+def read_token_file(path: Path | None) -> str | None:
+    """The bearer token in `path` (the gRPC services' convention: one line), or None without a file."""
+    if path is None:
+        return None
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
+
+
+class _WithTokenFile(StrictModel):
+    auth_token_file: Path | None = None
+    """File holding a bearer token (one line)."""
+
+    @model_validator(mode="after")
+    def _token_file_exists(self) -> _WithTokenFile:
+        if self.auth_token_file is not None and not self.auth_token_file.is_file():
+            raise ValueError(f"auth_token_file {self.auth_token_file} does not exist")
+        return self
+
+    def read_auth_token(self) -> str | None:
+        return read_token_file(self.auth_token_file)
+
+
+class HttpServerConfig(_WithTokenFile):
+    """How the REST API listens. With `auth_token_file`, everything but /healthz and the API docs
+    (/openapi.json, /docs) needs `Authorization: Bearer <token>`, /metrics included."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. The default keeps the service on loopback; containers use 0.0.0.0."""
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    """HTTP port; 0 picks a free one (printed at start-up)."""
+    max_request_bytes: int = Field(1 << 20, gt=0)
+    """Larger request bodies get 413."""
+
+
+class RolloutEndpoints(_WithTokenFile):
+    """Replicas of a rollout deployment (gRPC addresses) and the token they require."""
+
+    addresses: list[str] = Field(min_length=1)
+    """host:port of every replica; a batch is spread over all of them."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """Deadline of one Generate call (one chunk of questions) and of one weight push."""
+
+
+class VerifierEndpoint(_WithTokenFile):
+    address: str = "127.0.0.1:50061"
+    """host:port of the verifier service."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one Verify call."""
+
+
+class EvalLimits(StrictModel):
+    """Bounds on one job, checked when it is submitted (over them: 422 with the limit named)."""
+
+    max_n: int = Field(256, ge=1)
+    """Samples per question."""
+    max_questions: int = Field(5000, ge=1)
+    """Questions per job, summed over its datasets."""
+    max_samples: int = Field(1_000_000, ge=1)
+    """Questions x n per job."""
+    max_tokens: int = Field(32768, ge=1)
+    """Largest `max_tokens` (new tokens per sample)."""
+    max_datasets: int = Field(16, ge=1)
+    """Datasets per job."""
+    max_queued_jobs: int = Field(100, ge=1)
+    """Jobs waiting to run; a submission beyond gets 429."""
+
+
+class EvalConfig(StrictModel):
+    server: HttpServerConfig = HttpServerConfig()
+    """Where the REST API listens."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding jobs and results (they survive a restart of the service)."""
+    key_prefix: str = Field("rlep:eval:", min_length=1)
+    """Prefix of every Redis key of this service (several deployments can share one Redis)."""
+    rollout: RolloutEndpoints = RolloutEndpoints(addresses=["127.0.0.1:50063"])
+    """The policy deployment: `model: "current"` samples from it as it is, never pushing weights."""
+    checkpoint_rollout: RolloutEndpoints | None = None
+    """Eval's own rollout deployment: a checkpoint's weights are pushed here before sampling. None: checkpoint
+    evaluations are refused. Must not be a deployment the learner trains with."""
+    verifier: VerifierEndpoint = VerifierEndpoint()
+    """Scores every response."""
+    limits: EvalLimits = EvalLimits()
+    """Bounds on one job."""
+    allowed_roots: list[Path] | None = None
+    """Directories that user dataset files and checkpoints must lie under; None allows any path the service can
+    read (fine behind a token on a private network; set it when untrusted users can submit)."""
+    questions_per_call: int = Field(32, ge=1, le=4096)
+    """Questions per Generate call. Progress, metrics and cancellation advance at this granularity."""
+    lease_s: float = Field(30.0, ge=1.0, le=3600)
+    """A running job whose service sends no heartbeat for this long is marked failed (its service died)."""
+    redis_timeout_s: float = Field(10.0, gt=0)
+    """Socket timeout of Redis calls; past it an API call gets 503."""
+
+    @model_validator(mode="after")
+    def _checkpoint_rollout_is_separate(self) -> EvalConfig:
+        shared = set(self.rollout.addresses) & set(self.checkpoint_rollout.addresses if self.checkpoint_rollout else [])
+        if shared:
+            raise ValueError(
+                f"checkpoint_rollout shares {sorted(shared)} with rollout: evaluating a checkpoint would replace the "
+                "policy being trained; give eval its own rollout deployment"
+            )
+        return self

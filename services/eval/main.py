@@ -1,0 +1,114 @@
+"""Eval entry point: config -> Redis job store, rollout / verifier clients, job runner -> HTTP server (uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from rlep_common.lifecycle import wait_for_stop_signal
+from rlep_common.metrics import service_registry
+from services.eval.config import EvalConfig
+from services.eval.runner import Backends, JobRunner
+from services.eval.server import EvalMetrics, create_app
+from services.eval.store import JobStore
+from services.rollout.client import RolloutClient
+from services.verifier.client import VerifierClient
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 30.0  # uvicorn binds an already open socket: it is up in well under a second
+
+
+@dataclass
+class RunningEval:
+    """A started service; `stop()` requeues the running job, then stops the HTTP server and the clients."""
+
+    http: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+    store: JobStore
+    runner: JobRunner
+    backends: Backends
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.runner.stop(grace_s)
+        self.http.should_exit = True
+        self.thread.join(grace_s)
+        for client in (self.backends.rollout, self.backends.checkpoint_rollout, self.backends.verifier):
+            if client is not None:
+                client.close()
+        self.store.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def build_backends(config: EvalConfig) -> Backends:
+    def rollout_client(endpoints) -> RolloutClient:
+        return RolloutClient(endpoints.addresses, token=endpoints.read_auth_token(), timeout_s=endpoints.timeout_s)
+
+    return Backends(
+        rollout=rollout_client(config.rollout),
+        checkpoint_rollout=rollout_client(config.checkpoint_rollout) if config.checkpoint_rollout else None,
+        verifier=VerifierClient(
+            config.verifier.address, token=config.verifier.read_auth_token(), timeout_s=config.verifier.timeout_s
+        ),
+    )
+
+
+def start_eval(config: EvalConfig) -> RunningEval:
+    store = JobStore.from_url(config.redis_url, config.key_prefix, config.redis_timeout_s)
+    store.ping()  # fail at start-up, not on the first request, when Redis is unreachable
+    registry = service_registry("eval")
+    metrics = EvalMetrics(registry, store)
+    backends = build_backends(config)
+    runner = JobRunner(
+        store,
+        backends,
+        config,
+        on_questions=metrics.questions.inc,
+        on_job_end=lambda status, seconds: metrics.job_seconds.labels(status.value).observe(seconds),
+    )
+    runner.reap_dead_jobs()
+    app = create_app(config, store, metrics, registry, runner.wake)
+    sock = _listen(config.server.host, config.server.port)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="eval-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not http.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the eval HTTP server did not start on {config.server.host}:{config.server.port}")
+        time.sleep(0.02)
+    runner.start()
+    return RunningEval(http, thread, config.server.host, sock.getsockname()[1], store, runner, backends)
+
+
+def serve_forever(config: EvalConfig) -> None:
+    """Runs until SIGINT/SIGTERM; a job running then is requeued and starts over at the next start."""
+    running = start_eval(config)
+    log.info("eval listening on %s", running.url)
+    checkpoints = "off" if config.checkpoint_rollout is None else ",".join(config.checkpoint_rollout.addresses)
+    print(
+        f"eval listening on {running.url} rollout={','.join(config.rollout.addresses)}"
+        f" checkpoint_rollout={checkpoints} verifier={config.verifier.address}",
+        flush=True,
+    )
+    wait_for_stop_signal()
+    running.stop()

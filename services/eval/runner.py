@@ -1,0 +1,256 @@
+"""Runs evaluation jobs: claims them from the store, samples through rollout, scores through the verifier.
+
+One worker thread per service process runs one job at a time (a checkpoint job owns eval's rollout
+deployment while it runs, so jobs must not interleave there). A keeper thread renews the running job's
+lease and fails jobs whose service died (expired lease). A job advances a chunk of
+`questions_per_call` questions at a time: generate, verify, score, save progress. Cancellation and
+shutdown take effect at the next chunk boundary; on shutdown the running job goes back to the head of the
+queue and starts over when a service (this one restarted, or another replica) is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from rlep_common.types import FinishReason
+from services.eval.api import DatasetResult, EvaluationJob, JobStatus
+from services.eval.config import EvalConfig
+from services.eval.core import (
+    CURRENT_POLICY,
+    DatasetTally,
+    Question,
+    SampleScore,
+    checkpoint_files,
+    load_dataset,
+    score_question,
+)
+from services.eval.store import JobStore, new_attempt
+from services.rollout.client import RolloutClient
+from services.rollout.types import Sampling
+from services.verifier.client import VerifierClient
+
+log = logging.getLogger(__name__)
+
+# How long an idle worker waits before looking at the queue again (a local submission wakes it at once;
+# jobs submitted to another replica are found within this delay).
+IDLE_POLL_S = 1.0
+
+
+class JobAbandoned(Exception):
+    """The job is no longer this worker's: cancelled, requeued on shutdown, or declared dead."""
+
+
+def describe_error(err: BaseException) -> str:
+    """A one-line reason for a failed job; gRPC errors give their status and the server's message."""
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        return f"{err.code().name}: {err.details()}"
+    return f"{type(err).__name__}: {err}"
+
+
+def load_checkpoint(model: str, allowed_roots: list[Path] | None) -> dict:
+    """A checkpoint's full state dict from its safetensors files (never unpickled)."""
+    from safetensors.torch import load_file
+
+    state_dict: dict = {}
+    for path in checkpoint_files(model, allowed_roots):
+        state_dict.update(load_file(str(path)))
+    return state_dict
+
+
+@dataclass
+class Backends:
+    """The services a job drives; `checkpoint_rollout` is None when checkpoints are not accepted."""
+
+    rollout: RolloutClient
+    checkpoint_rollout: RolloutClient | None
+    verifier: VerifierClient
+
+
+class JobRunner:
+    def __init__(
+        self,
+        store: JobStore,
+        backends: Backends,
+        config: EvalConfig,
+        on_questions: Callable[[int], None] = lambda count: None,
+        on_job_end: Callable[[JobStatus, float], None] = lambda status, seconds: None,
+    ):
+        self._store, self._backends, self._config = store, backends, config
+        self._on_questions, self._on_job_end = on_questions, on_job_end
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._current: tuple[str, str] | None = None  # (job id, attempt) being run
+        self._dead_reason = (
+            f"the eval service running this job stopped without finishing it (no heartbeat for "
+            f"{config.lease_s:g} s); submit it again to rerun it"
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name="eval-worker", daemon=True),
+            threading.Thread(target=self._keep, name="eval-keeper", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def wake(self) -> None:
+        """A job was queued here: look at the queue now instead of at the next poll."""
+        self._wake.set()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops taking jobs; the running one (if any) is requeued to start over after a restart."""
+        self._stopping.set()
+        self._wake.set()
+        current = self._current
+        if current is not None and self._store.requeue(*current):
+            log.info("eval job %s requeued: the service is stopping", current[0])
+        for thread in self._threads:
+            thread.join(grace_s)
+
+    # -- threads -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                attempt = new_attempt()
+                job_id = self._store.claim(attempt, self._config.lease_s)
+            except Exception:  # Redis unreachable: keep the thread alive and retry
+                log.exception("cannot claim eval jobs")
+                job_id = None
+            if job_id is None:
+                self._wake.wait(IDLE_POLL_S)
+                self._wake.clear()
+                continue
+            self._current = (job_id, attempt)
+            try:
+                if self._stopping.is_set():  # claimed while stop() was looking: hand it back as stop() would
+                    self._store.requeue(job_id, attempt)
+                    return
+                self._run(job_id, attempt)
+            finally:
+                self._current = None
+
+    def _keep(self) -> None:
+        next_reap = 0.0
+        while not self._stopping.wait(self._config.lease_s / 4):
+            try:
+                current = self._current
+                if current is not None:
+                    self._store.renew_lease(*current, self._config.lease_s)
+                if time.monotonic() >= next_reap:
+                    self.reap_dead_jobs()
+                    next_reap = time.monotonic() + self._config.lease_s
+            except Exception:  # Redis unreachable: the next round tries again
+                log.exception("eval keeper round failed")
+
+    def reap_dead_jobs(self) -> list[str]:
+        """Marks failed, with the reason, every running job whose service stopped renewing its lease."""
+        dead = self._store.reap_expired(self._dead_reason)
+        for job_id in dead:
+            log.warning("eval job %s marked failed: its service died", job_id)
+        return dead
+
+    # -- one job -------------------------------------------------------------------------------
+    def _run(self, job_id: str, attempt: str) -> None:
+        started = time.monotonic()
+        job = self._store.get(job_id)
+        if job is None:
+            return
+        log.info("eval job %s started: model=%s", job_id, job.request.model)
+        try:
+            self._execute(job, attempt)
+            status, error = JobStatus.SUCCEEDED, None
+        except JobAbandoned:
+            log.info("eval job %s stopped: it was cancelled or requeued", job_id)
+            after = self._store.get(job_id)
+            if after is not None and after.status == JobStatus.CANCELLED:
+                self._on_job_end(JobStatus.CANCELLED, time.monotonic() - started)
+            return
+        except Exception as err:
+            log.exception("eval job %s failed", job_id)
+            status, error = JobStatus.FAILED, describe_error(err)
+        try:
+            if self._store.finish(job_id, attempt, status, error):
+                self._on_job_end(status, time.monotonic() - started)
+        except Exception:  # the lease expires and the reaper records the failure instead
+            log.exception("cannot record the end of eval job %s", job_id)
+
+    def _execute(self, job: EvaluationJob, attempt: str) -> None:
+        request = job.request
+        rollout, pushed_version = self._prepare_model(request.model)
+        sampling = Sampling(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+        )
+        progress = job.progress.model_copy(update={"questions_done": 0, "samples_done": 0})
+        results: list[DatasetResult] = []
+        versions: set[int] = set() if pushed_version is None else {pushed_version}
+        for spec in request.datasets:
+            questions = load_dataset(spec.name, spec.limit, self._config.allowed_roots)
+            tally = DatasetTally()
+            results.append(_result(spec.name, len(questions), tally))
+            progress.current_dataset = spec.name
+            for start in range(0, len(questions), self._config.questions_per_call):
+                if self._stopping.is_set():
+                    raise JobAbandoned()
+                chunk = questions[start : start + self._config.questions_per_call]
+                seen = self._score_chunk(rollout, sampling, chunk, tally)
+                if pushed_version is not None and seen != {pushed_version}:
+                    raise RuntimeError(
+                        f"samples came from policy versions {sorted(seen)}, not the pushed checkpoint "
+                        f"({pushed_version}): another client pushed weights to eval's rollout deployment"
+                    )
+                versions |= seen
+                progress.questions_done += len(chunk)
+                progress.samples_done += len(chunk) * request.n
+                results[-1] = _result(spec.name, len(questions), tally)
+                if not self._store.save_progress(job.id, attempt, progress, results, sorted(versions)):
+                    raise JobAbandoned()
+                self._on_questions(len(chunk))
+        progress.current_dataset = None
+        if not self._store.save_progress(job.id, attempt, progress, results, sorted(versions)):
+            raise JobAbandoned()
+
+    def _prepare_model(self, model: str) -> tuple[RolloutClient, int | None]:
+        """Where to sample from, and the version pushed for a checkpoint (None: the current policy)."""
+        if model == CURRENT_POLICY:
+            return self._backends.rollout, None
+        target = self._backends.checkpoint_rollout
+        if target is None:
+            raise RuntimeError("this eval service has no checkpoint_rollout deployment configured")
+        state_dict = load_checkpoint(model, self._config.allowed_roots)
+        version = max(target.versions()) + 1
+        target.push_weights(state_dict, version)
+        log.info("checkpoint %s pushed to eval's rollout deployment as version %d", model, version)
+        return target, version
+
+    def _score_chunk(
+        self, rollout: RolloutClient, sampling: Sampling, chunk: list[Question], tally: DatasetTally
+    ) -> set[int]:
+        """Samples, verifies and scores one chunk of questions into `tally`; returns the policy versions seen."""
+        completions = rollout.generate([q.messages for q in chunk], sampling)
+        items = [(s.text, q.ground_truth) for q, c in zip(chunk, completions, strict=True) for s in c.samples]
+        outcomes = iter(self._backends.verifier.verify(items))
+        versions: set[int] = set()
+        for completion in completions:
+            scores = []
+            for sample in completion.samples:
+                outcome = next(outcomes)
+                truncated = sample.finish_reason == FinishReason.LENGTH
+                scores.append(SampleScore(outcome.verdict, outcome.extracted_answer, len(sample.token_ids), truncated))
+                versions.add(sample.policy_version)
+            tally.add(score_question(scores))
+        return versions
+
+
+def _result(name: str, questions_total: int, tally: DatasetTally) -> DatasetResult:
+    return DatasetResult(dataset=name, questions_total=questions_total, **tally.summary())

@@ -1,0 +1,225 @@
+"""The eval REST API (FastAPI): submit, read, list and cancel jobs; /metrics and /healthz on the same app.
+
+A thin adapter: requests are checked here (limits, datasets, checkpoint paths) so bad input gets a 4xx
+with the reason before anything is queued; jobs live in `JobStore` and run in `JobRunner`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+import redis
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
+from services.eval.config import EvalConfig
+from services.eval.core import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
+from services.eval.store import JobStore
+
+
+class EvalMetrics:
+    """The eval service's Prometheus series (`rlep_eval_*`)."""
+
+    def __init__(self, registry: CollectorRegistry, store: JobStore):
+        self.jobs = Gauge(
+            "rlep_eval_jobs",
+            "Evaluation jobs by state (every replica's: read from Redis)",
+            ["state"],
+            registry=registry,
+        )
+        for status in JobStatus:
+            self.jobs.labels(status.value).set_function(lambda s=status: _count_or_nan(store, s))
+        self.questions = Counter(
+            "rlep_eval_questions_total", "Questions sampled and scored by this replica", registry=registry
+        )
+        self.request_seconds = Histogram(
+            "rlep_eval_request_seconds",
+            "Latency of an HTTP request, by method, route template and status code",
+            ["method", "route", "code"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.job_seconds = Histogram(
+            "rlep_eval_job_seconds",
+            "Wall time of the jobs this replica ran, by final status",
+            ["status"],
+            registry=registry,
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400),
+        )
+
+
+def _count_or_nan(store: JobStore, status: JobStatus) -> float:
+    try:
+        return float(store.count(status))
+    except redis.RedisError:  # a scrape must not fail because Redis is away; NaN shows the gap
+        return math.nan
+
+
+def validate_request(request: EvaluationRequest, config: EvalConfig) -> Progress:
+    """Checks a submission against the limits and loads its datasets (DatasetError / ValueError say what is
+    wrong). Returns the job's initial progress, which holds its number of questions."""
+    limits = config.limits
+    if request.n > limits.max_n:
+        raise ValueError(f"n={request.n} is above this server's limit of {limits.max_n} samples per question")
+    if request.max_tokens > limits.max_tokens:
+        raise ValueError(f"max_tokens={request.max_tokens} is above this server's limit of {limits.max_tokens}")
+    if len(request.datasets) > limits.max_datasets:
+        raise ValueError(f"{len(request.datasets)} datasets: this server takes at most {limits.max_datasets}")
+    if request.model != CURRENT_POLICY:
+        if config.checkpoint_rollout is None:
+            raise ValueError(f"this eval service evaluates only model={CURRENT_POLICY!r} (no checkpoint_rollout)")
+        checkpoint_files(request.model, config.allowed_roots)
+    total = sum(len(load_dataset(d.name, d.limit, config.allowed_roots)) for d in request.datasets)
+    if total > limits.max_questions:
+        raise ValueError(f"{total} questions: this server takes at most {limits.max_questions} per job")
+    if total * request.n > limits.max_samples:
+        raise ValueError(f"{total} questions x n={request.n} is above this server's limit of {limits.max_samples}")
+    return Progress(questions_total=total)
+
+
+# Module level: FastAPI resolves the (postponed) annotations of the route functions in this module's namespace.
+JobId = Annotated[str, Path(min_length=1, max_length=128, description="The id returned on submission.")]
+
+
+class ListQuery(BaseModel):
+    """Query of GET /v1/evaluations; unknown parameters are refused (422), as unknown body fields are."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    limit: int = Field(50, ge=1, le=1000)
+    """Newest jobs to return."""
+    status: JobStatus | None = None
+    """Only jobs in this state."""
+
+
+BEARER = HTTPBearer(auto_error=False, description="The token in the service's auth_token_file.")
+
+
+class TokenCheck:
+    """A route dependency: 401 unless the request carries `Authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        self._expected = token.encode()
+
+    def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        presented = credentials.credentials.encode() if credentials else b""
+        if not hmac.compare_digest(presented, self._expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorBody} for code in codes}
+
+
+def create_app(
+    config: EvalConfig, store: JobStore, metrics: EvalMetrics, registry: CollectorRegistry, wake: Callable[[], None]
+) -> FastAPI:
+    """The ASGI app. `wake` tells this replica's runner that a job was queued."""
+    token = config.server.read_auth_token()
+    guarded = [Depends(TokenCheck(token))] if token else []
+    app = FastAPI(
+        title="RLEP evaluation service",
+        version="1",
+        description="Evaluation jobs (Avg@N, Maj@N, Pass@N on math sets) run through the rollout and verifier "
+        "services; jobs and results are kept in Redis.",
+    )
+    _add_service_routes(app, config, metrics, registry, guarded)
+    app.include_router(job_routes(config, store, wake, guarded))
+    return app
+
+
+def _add_service_routes(
+    app: FastAPI, config: EvalConfig, metrics: EvalMetrics, registry: CollectorRegistry, guarded: list
+) -> None:
+    """Request size bound, latency metric, Redis outages as 503, /healthz and /metrics."""
+
+    @app.middleware("http")
+    async def measure_and_bound(request: Request, call_next):
+        started = time.perf_counter()
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > config.server.max_request_bytes):
+            response = JSONResponse(
+                {"detail": f"request body over {config.server.max_request_bytes} bytes (or a bad Content-Length)"},
+                status_code=413,
+            )
+        elif length is None and "transfer-encoding" in request.headers:
+            response = JSONResponse({"detail": "send the body with a Content-Length"}, status_code=411)
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")  # the template (/v1/evaluations/{job_id}) keeps label values few
+        metrics.request_seconds.labels(
+            request.method, getattr(route, "path", "unmatched"), str(response.status_code)
+        ).observe(time.perf_counter() - started)
+        return response
+
+    @app.exception_handler(redis.RedisError)
+    async def redis_unavailable(request: Request, err: redis.RedisError) -> JSONResponse:
+        return JSONResponse({"detail": f"job store (Redis) unavailable: {err}"}, status_code=503)
+
+    @app.get("/healthz", tags=["service"])
+    def healthz() -> dict[str, str]:
+        """Liveness (open, for probes)."""
+        return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False, dependencies=guarded)
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], guarded: list) -> APIRouter:
+    """/v1/evaluations: submit, list, read, cancel."""
+    router = APIRouter(
+        prefix="/v1/evaluations",
+        tags=["evaluations"],
+        dependencies=guarded,
+        responses=_errors(*((401,) if guarded else ()), 422, 503),
+    )
+
+    def existing_job(job_id: str) -> EvaluationJob:
+        job = store.get(job_id)
+        if job is None:
+            raise HTTPException(404, f"no evaluation job {job_id!r}")
+        return job
+
+    @router.post("", status_code=202, response_model=EvaluationJob, responses=_errors(400, 411, 413, 429))
+    def submit(request: EvaluationRequest, response: Response) -> EvaluationJob:
+        """Queue an evaluation job; poll GET /v1/evaluations/{id} for progress and results."""
+        if store.count(JobStatus.QUEUED) >= config.limits.max_queued_jobs:
+            raise HTTPException(429, f"{config.limits.max_queued_jobs} jobs are already queued; retry later")
+        try:
+            progress = validate_request(request, config)
+        except (DatasetError, ValueError) as err:
+            raise HTTPException(422, str(err)) from err
+        job = store.create(request, progress)
+        wake()
+        response.headers["Location"] = f"/v1/evaluations/{job.id}"
+        return job
+
+    @router.get("", response_model=JobList)
+    def list_jobs(query: Annotated[ListQuery, Query()]) -> JobList:
+        return JobList(jobs=store.list(query.limit, query.status))
+
+    @router.get("/{job_id}", response_model=EvaluationJob, responses=_errors(404))
+    def get_job(job_id: JobId) -> EvaluationJob:
+        """Status, progress and the per-dataset figures so far."""
+        return existing_job(job_id)
+
+    @router.delete("/{job_id}", response_model=EvaluationJob, responses=_errors(404, 409))
+    def cancel_job(job_id: JobId) -> EvaluationJob:
+        """Cancel a queued or running job (a running one stops after its current chunk of questions)."""
+        applied, before = store.cancel(job_id)
+        if not before:
+            raise HTTPException(404, f"no evaluation job {job_id!r}")
+        if not applied:
+            raise HTTPException(409, f"job {job_id} already {before}: nothing to cancel")
+        return existing_job(job_id)
+
+    return router

@@ -1,0 +1,235 @@
+"""Evaluation jobs in Redis: the source of truth, shared by every eval replica and surviving their restarts.
+
+Keys under the configured prefix P (default `rlep:eval:`):
+- `P job:<id>`    hash: status, request / progress / results / policy_versions (JSON), created_at,
+                  started_at, finished_at, error, attempt
+- `P jobs`        sorted set of job ids by creation time (listing)
+- `P queue`       list of queued job ids; a worker claims from the right end
+- `P state:<s>`   set of job ids per status (the `rlep_eval_jobs{state}` gauge)
+- `P lease:<id>`  the running attempt's token, with a TTL its worker keeps renewing
+
+Every status change is one Lua script, so a job is always in exactly one state set. Writes by a worker are
+fenced by its attempt token: once a job is cancelled, requeued or declared dead, the old worker's writes
+are refused and it stops. A running job whose lease expired (its service died) is marked failed by any
+replica's reaper, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable
+
+import redis
+
+from services.eval.api import DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
+
+_TRANSITION = """
+local p, id, attempt, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local job = p .. 'job:' .. id
+local status = redis.call('HGET', job, 'status')
+if not status then return {0, ''} end
+if not string.find(',' .. from .. ',', ',' .. status .. ',', 1, true) then return {0, status} end
+if attempt ~= '' and redis.call('HGET', job, 'attempt') ~= attempt then return {0, status} end
+for i = 6, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+if to ~= '' and to ~= status then
+  redis.call('SMOVE', p .. 'state:' .. status, p .. 'state:' .. to, id)
+  redis.call('HSET', job, 'status', to)
+  if status == 'queued' then redis.call('LREM', p .. 'queue', 0, id) end
+  if status == 'running' then redis.call('DEL', p .. 'lease:' .. id) end
+  if to == 'queued' then redis.call('HDEL', job, 'attempt'); redis.call('RPUSH', p .. 'queue', id) end
+end
+return {1, status}
+"""
+
+_CLAIM = """
+local p, attempt, now, lease_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+while true do
+  local id = redis.call('RPOP', p .. 'queue')
+  if not id then return false end
+  local job = p .. 'job:' .. id
+  if redis.call('HGET', job, 'status') == 'queued' then
+    redis.call('HSET', job, 'status', 'running', 'attempt', attempt, 'started_at', now)
+    redis.call('SMOVE', p .. 'state:queued', p .. 'state:running', id)
+    redis.call('SET', p .. 'lease:' .. id, attempt, 'PX', lease_ms)
+    return id
+  end
+end
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+_REAP = """
+local p, id, reason, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local job = p .. 'job:' .. id
+if redis.call('HGET', job, 'status') ~= 'running' or redis.call('EXISTS', p .. 'lease:' .. id) == 1 then
+  return 0
+end
+redis.call('HSET', job, 'status', 'failed', 'error', reason, 'finished_at', now)
+redis.call('HDEL', job, 'attempt')
+redis.call('SMOVE', p .. 'state:running', p .. 'state:failed', id)
+return 1
+"""
+
+
+def new_attempt() -> str:
+    return uuid.uuid4().hex
+
+
+class JobStore:
+    def __init__(self, client: redis.Redis, prefix: str):
+        self._redis = client
+        self._prefix = prefix
+        self._transition = client.register_script(_TRANSITION)
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._reap = client.register_script(_REAP)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str, timeout_s: float) -> JobStore:
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        return cls(client, prefix)
+
+    def ping(self) -> None:
+        self._redis.ping()
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def _key(self, *parts: str) -> str:
+        return self._prefix + ":".join(parts)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get(self, job_id: str) -> EvaluationJob | None:
+        fields = self._redis.hgetall(self._key("job", job_id))
+        return _job_from_hash(job_id, fields) if fields else None
+
+    def list(self, limit: int, status: JobStatus | None = None) -> list[EvaluationJob]:
+        """Newest first. With a status filter, the newest `limit` jobs in that state."""
+        if status is not None:
+            ids = self._redis.smembers(self._key("state", status))
+            created = self._redis.zmscore(self._key("jobs"), list(ids)) if ids else []
+            ranked = sorted(zip(ids, created, strict=True), key=lambda pair: -(pair[1] or 0))
+            ids = [job_id for job_id, _ in ranked[:limit]]
+        else:
+            ids = self._redis.zrevrange(self._key("jobs"), 0, limit - 1)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(self._key("job", job_id))
+            rows = pipe.execute()
+        return [_job_from_hash(job_id, fields) for job_id, fields in zip(ids, rows, strict=True) if fields]
+
+    def count(self, status: JobStatus) -> int:
+        return self._redis.scard(self._key("state", status))
+
+    # -- writing ---------------------------------------------------------------------------------
+    def create(self, request: EvaluationRequest, progress: Progress) -> EvaluationJob:
+        job = EvaluationJob(
+            id=uuid.uuid4().hex, status=JobStatus.QUEUED, request=request, created_at=time.time(), progress=progress
+        )
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                self._key("job", job.id),
+                mapping={
+                    "status": job.status,
+                    "request": request.model_dump_json(),
+                    "progress": progress.model_dump_json(),
+                    "created_at": repr(job.created_at),
+                },
+            )
+            pipe.zadd(self._key("jobs"), {job.id: job.created_at})
+            pipe.sadd(self._key("state", job.status), job.id)
+            pipe.lpush(self._key("queue"), job.id)
+            pipe.execute()
+        return job
+
+    def claim(self, attempt: str, lease_s: float) -> str | None:
+        """Takes the oldest queued job and marks it running under `attempt`; None when the queue is empty."""
+        return self._claim(args=[self._prefix, attempt, repr(time.time()), int(lease_s * 1000)])
+
+    def _move(
+        self, job_id: str, attempt: str, allowed: Iterable[JobStatus], to: str, **fields: str
+    ) -> tuple[bool, str]:
+        pairs = [item for pair in fields.items() for item in pair]
+        applied, before = self._transition(
+            args=[self._prefix, job_id, attempt, ",".join(allowed), to, *pairs]  # type: ignore[list-item]
+        )
+        return bool(applied), before
+
+    def save_progress(
+        self,
+        job_id: str,
+        attempt: str,
+        progress: Progress,
+        results: list[DatasetResult],
+        policy_versions: list[int],
+    ) -> bool:
+        """Records progress; False when the job is no longer this attempt's (cancelled, requeued, reaped)."""
+        applied, _ = self._move(
+            job_id,
+            attempt,
+            [JobStatus.RUNNING],
+            "",
+            progress=progress.model_dump_json(),
+            results=json.dumps([r.model_dump(mode="json") for r in results]),
+            policy_versions=json.dumps(policy_versions),
+        )
+        return applied
+
+    def finish(self, job_id: str, attempt: str, status: JobStatus, error: str | None = None) -> bool:
+        """Ends a running job (succeeded or failed) unless it is no longer this attempt's."""
+        fields = {"finished_at": repr(time.time())}
+        if error is not None:
+            fields["error"] = error
+        applied, _ = self._move(job_id, attempt, [JobStatus.RUNNING], status, **fields)
+        return applied
+
+    def cancel(self, job_id: str) -> tuple[bool, str]:
+        """Cancels a queued or running job. Returns (applied, status before; "" for an unknown job)."""
+        return self._move(
+            job_id,
+            "",
+            [JobStatus.QUEUED, JobStatus.RUNNING],
+            JobStatus.CANCELLED,
+            finished_at=repr(time.time()),
+            error="cancelled by request",
+        )
+
+    def requeue(self, job_id: str, attempt: str) -> bool:
+        """Puts a running job back at the head of the queue, to start over (its service is shutting down)."""
+        applied, _ = self._move(job_id, attempt, [JobStatus.RUNNING], JobStatus.QUEUED, started_at="")
+        return applied
+
+    def renew_lease(self, job_id: str, attempt: str, lease_s: float) -> bool:
+        return bool(self._renew(keys=[self._key("lease", job_id)], args=[attempt, int(lease_s * 1000)]))
+
+    def reap_expired(self, reason: str) -> list[str]:
+        """Marks failed every running job whose lease has expired; returns their ids."""
+        now = repr(time.time())
+        running = self._redis.smembers(self._key("state", JobStatus.RUNNING))
+        return [job_id for job_id in running if self._reap(args=[self._prefix, job_id, reason, now])]
+
+
+def _float_or_none(text: str | None) -> float | None:
+    return float(text) if text else None
+
+
+def _job_from_hash(job_id: str, fields: dict[str, str]) -> EvaluationJob:
+    return EvaluationJob(
+        id=job_id,
+        status=JobStatus(fields["status"]),
+        request=EvaluationRequest.model_validate_json(fields["request"]),
+        created_at=float(fields["created_at"]),
+        started_at=_float_or_none(fields.get("started_at")),
+        finished_at=_float_or_none(fields.get("finished_at")),
+        error=fields.get("error") or None,
+        progress=Progress.model_validate_json(fields.get("progress") or "{}"),
+        policy_versions=json.loads(fields.get("policy_versions") or "[]"),
+        results=[DatasetResult.model_validate(r) for r in json.loads(fields.get("results") or "[]")],
+    )
