@@ -196,16 +196,9 @@ def eval_command(
     run_eval(server, auth_token_file, request, as_json=as_json)
 
 
-@app.command()
-def demo() -> None:
-    """The main job on the embedded default: baseline RL, experience collection, RLEP, comparison."""
-    typer.echo(
-        "rlep demo: not built yet. The closed RLEP loop (learner, rollout, replay) lands with the learner "
-        "issue; what runs today: `rlep serve verifier`, the algorithm core in rlep_common.algorithm, and the tests.",
-        err=True,
-    )
-    raise typer.Exit(3)
+from services.learner.cli import register as _register_learner_commands  # noqa: E402 - typer only, light
 
+_register_learner_commands(app)
 
 if __name__ == "__main__":
     app()
