@@ -28,3 +28,19 @@ def shared_data() -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance (2 CPUs, no dashboard, no token auth), shared by every Ray test."""
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

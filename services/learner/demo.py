@@ -40,10 +40,14 @@ class DemoConfig(StrictModel):
     """N: samples per training question in the collection phase (paper: 64)."""
 
 
-def demo_train_config(demo: DemoConfig, run_id: str, replayed: int, data: Path, eval_data: Path) -> TrainConfig:
+def demo_train_config(
+    demo: DemoConfig, run_id: str, replayed: int, model: Path, data: Path, eval_data: Path
+) -> TrainConfig:
+    """Both runs start from `model` (the warm-up checkpoint) and differ only in M (`replayed`)."""
     return TrainConfig.model_validate(
         {
             "run_id": run_id,
+            "model": str(model),
             "seed": demo.seed,
             "steps": demo.steps,
             "replay_pool": f"demo-seed{demo.seed}",
@@ -148,8 +152,8 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     console.print(f"warm-up: {warm.steps} steps in {warm.train_seconds:.0f}s, pass@1 {warm.pass_at_1}")
 
     init_ray()
-    baseline_config = demo_train_config(demo, "baseline", 0, train_data, eval_data)
-    rlep_config = demo_train_config(demo, "rlep", demo.replayed_per_question, train_data, eval_data)
+    baseline_config = demo_train_config(demo, "baseline", 0, warm.out_dir, train_data, eval_data)
+    rlep_config = demo_train_config(demo, "rlep", demo.replayed_per_question, warm.out_dir, train_data, eval_data)
     stack = LocalStack(baseline_config, warm.out_dir, app_name="rlep-demo-rollout")
     services = stack.start(need_replay=True)
     try:

@@ -83,8 +83,27 @@ class PolicyActor:
         init_distributed(rank, world_size, master_addr, master_port)
         self.trainer = PolicyTrainer(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
 
-    def call(self, method: str, *args):
-        return getattr(self.trainer, method)(*args)
+    # Typed calls, one per `PolicyTrainer` method the learner uses (no method named by a string).
+    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        return self.trainer.logprobs(batch)
+
+    def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
+        return self.trainer.update(batch, rows_per_mini_batch)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.trainer.state_dict()
+
+    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        self.trainer.save_hf(out_dir, tokenizer_dir)
+
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        self.trainer.save_checkpoint(directory, tag, client_state)
+
+    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]:
+        return self.trainer.load_checkpoint(directory, tag)
+
+    def rng_state(self) -> dict[str, Any]:
+        return self.trainer.rng_state()
 
 
 def _free_port() -> int:
@@ -110,30 +129,28 @@ class RayPolicy:
             for rank in range(world)
         ]
 
-    def _all(self, method: str, *args) -> list:
-        return ray.get([a.call.remote(method, *args) for a in self.actors])
-
-    # Collectives (ZeRO-3 gathers, gradient all-reduce) need every process in every call.
+    # Collectives (ZeRO-3 gathers, gradient all-reduce) need every process in every call, so each
+    # call goes to all actors; rank 0's answer is the result.
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        return self._all("logprobs", batch)[0]
+        return ray.get([a.logprobs.remote(batch) for a in self.actors])[0]
 
     def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
-        return self._all("update", batch, rows_per_mini_batch)[0]
+        return ray.get([a.update.remote(batch, rows_per_mini_batch) for a in self.actors])[0]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._all("state_dict")[0]
+        return ray.get([a.state_dict.remote() for a in self.actors])[0]
 
     def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        self._all("save_hf", out_dir, tokenizer_dir)
+        ray.get([a.save_hf.remote(out_dir, tokenizer_dir) for a in self.actors])
 
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self._all("save_checkpoint", directory, tag, client_state)
+        ray.get([a.save_checkpoint.remote(directory, tag, client_state) for a in self.actors])
 
     def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]:
-        return self._all("load_checkpoint", directory, tag)[0]
+        return ray.get([a.load_checkpoint.remote(directory, tag) for a in self.actors])[0]
 
     def rng_state(self) -> dict[str, Any]:
-        return self._all("rng_state")[0]
+        return ray.get([a.rng_state.remote() for a in self.actors])[0]
 
     def close(self) -> None:
         for actor in self.actors:

@@ -122,22 +122,6 @@ def rollout_client(rollout, auth_token_file):
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """A local Ray instance (2 CPUs, no dashboard, no token auth), shared by every Ray test."""
-    import os
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
 def eval_rollout(auth_token_file):
     """Eval's own rollout deployment (a second tiny vLLM worker): evaluating a checkpoint pushes weights here,
     never to the `rollout` fixture, which stands for the policy being trained."""

@@ -1,0 +1,79 @@
+"""`rlep demo` end to end in miniature: warm-up, baseline, collection, RLEP, table, plot, results.
+
+Small sizes keep it to a couple of minutes; the real figures come from `rlep demo` itself and
+benchmarks/rlep_vs_baseline.py. What this pins down is the protocol's wiring: both runs start from
+the warm-up checkpoint (not the untrained model), the replay pool is filled from the baseline and
+read by RLEP only, and the outputs are written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return sum(float((a[k] - b[k]).pow(2).sum()) for k in a) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def demo_run(ray_local, tmp_path_factory):
+    from services.learner.demo import DemoConfig, run_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    config = DemoConfig(
+        seed=5,
+        out_dir=out,
+        warmup_steps=150,
+        train_questions=48,
+        eval_questions=32,
+        steps=3,
+        eval_every=1,
+        questions_per_step=8,
+        fresh_per_question=4,
+        replayed_per_question=2,
+        collect_samples=8,
+    )
+    return config, run_demo(config, show_progress=False)
+
+
+def test_demo_writes_table_plot_and_results(demo_run):
+    config, summary = demo_run
+    saved = json.loads((config.out_dir / "results.json").read_text())
+    assert saved["seed"] == 5 and saved["config"]["steps"] == 3
+    assert (config.out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Step 0 (the warm-up model) plus an evaluation after every step, for both runs.
+    assert [s for s, _ in saved["baseline_curve"]] == [0, 1, 2, 3] == [s for s, _ in saved["rlep_curve"]]
+    assert saved["baseline_peak"] == max(a for _, a in saved["baseline_curve"])
+    # Same warm-up model, same seed, same evaluation: both curves start at the same point.
+    assert saved["baseline_curve"][0] == saved["rlep_curve"][0]
+    assert summary["baseline_step_seconds"] > 0 and summary["rlep_step_seconds"] > 0
+
+
+def test_both_runs_start_from_the_warmup_checkpoint(demo_run):
+    """RL moves the weights a little from where it starts; the untrained model is far from there."""
+    from safetensors.torch import load_file
+
+    from rlep_common.tiny_model import cached_model
+
+    config, _ = demo_run
+    untrained = load_file(str(cached_model("tiny") / "model.safetensors"))
+    warm = load_file(str(config.out_dir / "warmup" / "model.safetensors"))
+    for run in ("baseline", "rlep"):
+        final = load_file(str(config.out_dir / run / f"step_{config.steps}" / "hf" / "model.safetensors"))
+        assert _distance(final, warm) < 0.1 * _distance(final, untrained), run
+
+
+def test_rlep_replays_what_the_baseline_collected(demo_run):
+    config, summary = demo_run
+    baseline = [json.loads(line) for line in (config.out_dir / "baseline" / "log.jsonl").read_text().splitlines()]
+    rlep = [json.loads(line) for line in (config.out_dir / "rlep" / "log.jsonl").read_text().splitlines()]
+    assert all(r.get("replayed_fraction", 0.0) == 0.0 for r in baseline)
+    assert summary["collect"]["questions_kept"] > 0, "the warm-up model should solve some training questions"
+    assert any(r.get("replayed_fraction", 0.0) > 0.0 for r in rlep)
+    cap = config.replayed_per_question / (config.fresh_per_question + config.replayed_per_question)
+    assert all(r.get("replayed_fraction", 0.0) <= cap + 1e-9 for r in rlep)
