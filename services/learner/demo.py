@@ -23,14 +23,19 @@ from services.learner.config import TrainConfig
 
 
 class DemoConfig(StrictModel):
+    """Sizes of the miniature protocol. Defaults were measured to fit ~12 minutes on 2 CPU cores."""
+
     seed: int = 0
     out_dir: Path = Path("rlep-demo")
-    warmup_steps: int = Field(150, ge=0)
+    warmup_steps: int = Field(400, ge=0)
+    """Supervised steps before RL: 400 gives ~20% pass@1 at T=1 (150 gives ~9%, where RL barely moves)."""
     train_questions: int = Field(512, ge=8)
-    eval_questions: int = Field(128, ge=8)
-    steps: int = Field(40, ge=1)
+    eval_questions: int = Field(256, ge=8)
+    eval_samples: int = Field(4, ge=1)
+    """Samples per held-out question at each evaluation (T=1); accuracy is their mean."""
+    steps: int = Field(100, ge=1)
     """S: RL steps of each run."""
-    eval_every: int = Field(4, ge=1)
+    eval_every: int = Field(5, ge=1)
     questions_per_step: int = Field(16, ge=1)
     fresh_per_question: int = Field(8, ge=1)
     replayed_per_question: int = Field(2, ge=1)
@@ -66,7 +71,7 @@ def demo_train_config(
             "eval": {
                 "every_steps": demo.eval_every,
                 "files": [str(eval_data)],
-                "samples_per_question": 1,
+                "samples_per_question": demo.eval_samples,
                 "temperature": 1.0,
                 "max_questions": demo.eval_questions,
             },
