@@ -51,7 +51,7 @@ class AlgorithmConfig(StrictModel):
 class OptimConfig(StrictModel):
     lr: float = Field(1e-6, gt=0)
     warmup_steps: int = Field(10, ge=0)
-    """Optimizer steps of linear warm-up (then constant, as in the recipe)."""
+    """Optimizer steps of linear warm-up (then constant, as in the recipe); 0 = the full lr from the first step."""
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
@@ -99,6 +99,19 @@ class LocalServicesConfig(StrictModel):
     """Ray CPUs reserved per learner process."""
 
 
+class WeightSyncConfig(StrictModel):
+    """How each step's new weights reach the rollout replicas."""
+
+    transport: Literal["auto", "stream", "shared_file", "nccl"] = "auto"
+    """auto = one shared-memory file when every replica is on this host, else safetensors streamed over
+    gRPC; nccl = GPU only, NOT exercised by CI: the learner's rank 0 broadcasts to every replica's workers
+    (vLLM's RLHF pattern; services/rollout/nccl.py). Replicas that rejoin are always brought up by stream."""
+    nccl_port: int = Field(29650, ge=1024, le=65000)
+    """First port of the NCCL group's store on the learner's rank 0 (a new group takes the next one)."""
+    workers_per_replica: int = Field(1, ge=1)
+    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the NCCL group."""
+
+
 class DataConfig(StrictModel):
     train_files: list[Path] = []
     """verl/DAPO parquet files (`prompt`, `reward_model.ground_truth`, `data_source`)."""
@@ -131,6 +144,7 @@ class TrainConfig(StrictModel):
     local: LocalServicesConfig = LocalServicesConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     log_file: Path | None = None
     """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -105,6 +105,15 @@ class PolicyActor:
     def rng_state(self) -> dict[str, Any]:
         return self.trainer.rng_state()
 
+    def weight_manifest(self) -> list:
+        return self.trainer.weight_manifest()
+
+    def broadcast_weights(self, group) -> None:
+        self.trainer.broadcast_weights(group)
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -151,6 +160,16 @@ class RayPolicy:
 
     def rng_state(self) -> dict[str, Any]:
         return ray.get([a.rng_state.remote() for a in self.actors])[0]
+
+    def weight_manifest(self) -> list:
+        return ray.get([a.weight_manifest.remote() for a in self.actors])[0]
+
+    def broadcast_weights(self, group) -> None:
+        ray.get([a.broadcast_weights.remote(group) for a in self.actors])
+
+    def broadcast_address(self) -> str:
+        """Where rank 0 runs: the NCCL weight group's store listens there."""
+        return ray.get(self.actors[0].node_address.remote())
 
     def close(self) -> None:
         for actor in self.actors:

@@ -22,6 +22,8 @@ import torch
 from rlep_common.algorithm import policy_loss
 from services.learner.batch import ExperienceBatch, micro_batches, mini_batches, token_entropy, token_logprobs
 from services.learner.config import TrainConfig
+from services.rollout.nccl import BroadcastGroup, NcclWeightSender, manifest
+from services.rollout.weights import TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def deepspeed_config(config: TrainConfig, world_size: int) -> dict[str, Any]:
         zero["stage3_param_persistence_threshold"] = 0  # really partition small models too
     if ds.offload_optimizer and ds.zero_stage > 0:
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {
+    config_dict: dict[str, Any] = {
         # Boundaries are set by hand per mini-batch; DeepSpeed's own count only has to be consistent.
         "train_micro_batch_size_per_gpu": optim.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -48,20 +50,24 @@ def deepspeed_config(config: TrainConfig, world_size: int) -> dict[str, Any]:
                 "torch_adam": True,  # DeepSpeed's fused CPU Adam needs a ~6 min JIT build
             },
         },
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": optim.lr,
-                "warmup_num_steps": max(optim.warmup_steps, 1),
-                "warmup_type": "linear",
-            },
-        },
         "bf16": {"enabled": ds.dtype == "bf16"},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if optim.warmup_steps > 0:
+        # WarmupLR gives optimizer step k the lr `lr * k / warmup_steps` (step 0 at 0, as HF's schedule);
+        # with no warm-up there is no scheduler at all, so even the first step gets the full lr.
+        config_dict["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": optim.lr,
+                "warmup_num_steps": optim.warmup_steps,
+                "warmup_type": "linear",
+            },
+        }
+    return config_dict
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -99,6 +105,7 @@ class PolicyTrainer:
         )
         self.shuffle = torch.Generator().manual_seed(config.seed + 1)
         self.optimizer_steps = 0
+        self._sender: NcclWeightSender | None = None  # GPU weight broadcast, created on first use
 
     # -- forward passes ----------------------------------------------------------------------
     def _forward(self, batch: ExperienceBatch) -> torch.Tensor:
@@ -157,6 +164,7 @@ class PolicyTrainer:
                         entropy = token_entropy(logits.detach())
                         sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
                 self.optimizer_steps += 1
+        sums, tokens_seen = self._sum_over_processes(sums, tokens_seen)
         tokens_seen = tokens_seen or 1.0
         return {
             "loss": sums["loss"] / tokens_seen,
@@ -167,6 +175,16 @@ class PolicyTrainer:
             "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.config.optim.lr,
             "optimizer_steps": float(self.optimizer_steps),
         }
+
+    def _sum_over_processes(self, sums: dict[str, float], tokens: float) -> tuple[dict[str, float], float]:
+        """Each process saw its share of the rows: the step's statistics are sums over all processes."""
+        if self.world_size == 1:
+            return sums, tokens
+        import torch.distributed as dist
+
+        totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return dict(zip(sums, totals[:-1].tolist(), strict=True)), float(totals[-1])
 
     def _my_micro_batches(self, mini: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """This process's rows of a mini-batch as (rows, loss scale) micro-batches.
@@ -219,6 +237,22 @@ class PolicyTrainer:
         if "shuffle_rng" in client_state:
             self.shuffle.set_state(client_state["shuffle_rng"])
         return client_state
+
+    def weight_manifest(self) -> list[tuple[str, TensorInfo]]:
+        """Names, dtypes and shapes of `state_dict()`, in its order (every rank must call it under ZeRO-3)."""
+        return manifest(self.state_dict())
+
+    def broadcast_weights(self, group: BroadcastGroup) -> None:
+        """GPU only, NOT exercised by CI: rank 0 sends the full weights to the rollout workers over NCCL.
+
+        Every rank calls it (ZeRO-3 gathers need all of them); rank 0 joins `group` once and broadcasts.
+        """
+        state = self.state_dict()
+        if self.rank != 0:
+            return
+        if self._sender is None or self._sender.group != group:
+            self._sender = NcclWeightSender(group)
+        self._sender.broadcast(state)
 
     def rng_state(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "shuffle_rng": self.shuffle.get_state()}

@@ -34,6 +34,7 @@ from services.learner.batch import ExperienceBatch, build_batch
 from services.learner.config import TrainConfig
 from services.learner.data import DataCursor, Question
 from services.learner.metrics import PHASES, LearnerMetrics
+from services.rollout.nccl import BroadcastGroup
 from services.rollout.types import Sampling
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class Policy(Protocol):
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None: ...
     def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]: ...
     def rng_state(self) -> dict[str, Any]: ...
+    # GPU weight broadcast (weight_sync.transport = nccl); RayPolicy implements them.
+    def weight_manifest(self) -> list: ...
+    def broadcast_weights(self, group: BroadcastGroup) -> None: ...
+    def broadcast_address(self) -> str: ...
 
 
 @dataclass
@@ -96,6 +101,8 @@ class Trainer:
         algo = config.algorithm
         if (algo.replayed_per_question > 0 or algo.online_replay) and services.replay is None:
             raise ValueError("M > 0 or online replay needs a replay service")
+        self._nccl_groups: dict[tuple[str, ...], BroadcastGroup] = {}
+        self._manifest: list | None = None  # tensor names, dtypes, shapes (fixed for a run)
         self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
 
     # -- start, resume, weights --------------------------------------------------------------
@@ -114,7 +121,7 @@ class Trainer:
             log.info("resumed at step %d (cursor %s)", self.step, state["cursor"])
         # Versions only grow per deployment: start above whatever the replicas serve now.
         self.version = max(self.services.rollout.versions()) + 1
-        self.services.rollout.push_weights(self.policy.state_dict(), self.version)
+        self.push_weights()
         if self.step == 0 and self.eval_questions and self.config.eval.every_steps:
             # Where the run starts from: step 0 of the accuracy curve.
             self._publish({"step": 0, "policy_version": self.version, "eval_accuracy": self.evaluate()}, StepTimer())
@@ -129,6 +136,24 @@ class Trainer:
         if stale:
             log.warning("bringing %d rollout replica(s) to version %d", len(stale), self.version)
             rollout.push_weights(self.policy.state_dict(), self.version, replicas=stale)
+
+    def push_weights(self) -> None:
+        """The policy's weights to every serving replica as `self.version`, by the configured transport."""
+        sync, rollout = self.config.weight_sync, self.services.rollout
+        if sync.transport != "nccl":
+            rollout.push_weights(self.policy.state_dict(), self.version, transport=sync.transport)
+            return
+        # GPU only, not exercised by CI. One NCCL group per set of replicas, each on its own port.
+        replicas = tuple(r.address for r in rollout.serving())
+        group = self._nccl_groups.get(replicas)
+        if group is None:
+            size = 1 + len(replicas) * sync.workers_per_replica
+            group = BroadcastGroup(self.policy.broadcast_address(), sync.nccl_port + len(self._nccl_groups), size)
+            self._nccl_groups[replicas] = group
+        self._manifest = self._manifest or self.policy.weight_manifest()
+        rollout.push_weights_broadcast(
+            self._manifest, self.version, group, lambda: self.policy.broadcast_weights(group), sync.workers_per_replica
+        )
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict]:
@@ -169,7 +194,7 @@ class Trainer:
             stats = self.policy.update(batch, rows_per_mini)
         with timer.phase("weight_push"):
             self.version += 1
-            self.services.rollout.push_weights(self.policy.state_dict(), self.version)
+            self.push_weights()
         if algo.online_replay:
             self._add_successes(fresh)
         self.step += 1

@@ -24,8 +24,9 @@ from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep_common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep_common.wire import FINISH_FROM_PROTO
 from services.rollout.config import default_staging_dir
+from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
 from services.rollout.types import Completion, SampleOut, Sampling
-from services.rollout.weights import write_payload
+from services.rollout.weights import TensorInfo, write_payload
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,47 @@ class RolloutClient:
             return self._push_all(targets, lambda: stream_file(header, path))
         finally:
             path.unlink(missing_ok=True)
+
+    def push_weights_broadcast(
+        self,
+        entries: Sequence[tuple[str, TensorInfo]],
+        version: int,
+        group: BroadcastGroup,
+        broadcast: Callable[[], None],
+        workers_per_replica: int = 1,
+    ) -> list[rollout_pb2.UpdateWeightsResponse]:
+        """GPU only, NOT exercised by CI: every serving replica receives `version` over NCCL.
+
+        Each replica's UpdateWeights call carries the manifest `entries` (checked by the worker before
+        it joins) and its ranks in `group`; `broadcast()` then sends the tensors from the learner's rank 0
+        (`NcclWeightSender.broadcast`). The group's size is fixed, so every replica must take part: a
+        replica that is down fails the push (bring replicas back with `push_weights`, which works anywhere).
+        """
+        targets = self.serving()
+        if group.world_size != 1 + len(targets) * workers_per_replica:
+            raise ValueError(
+                f"group.world_size {group.world_size} != 1 + {len(targets)} replicas x {workers_per_replica}"
+            )
+        header = rollout_pb2.WeightHeader(
+            version=version,
+            sha256=manifest_digest(entries),
+            total_bytes=manifest_bytes(entries),
+            format=rollout_pb2.SAFETENSORS,
+        )
+        tensors = [rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries]
+        futures = []
+        for replica, offset in zip(targets, rank_offsets(len(targets), workers_per_replica), strict=True):
+            chunk = rollout_pb2.NcclBroadcast(
+                master_address=group.master_address,
+                master_port=group.master_port,
+                rank_offset=offset,
+                world_size=group.world_size,
+                tensors=tensors,
+            )
+            messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]
+            futures.append(self._pool.submit(replica.stub.UpdateWeights, iter(messages), timeout=self._timeout_s))
+        broadcast()
+        return [future.result() for future in futures]
 
     def _push_all(self, targets: Sequence[Replica], messages) -> list[rollout_pb2.UpdateWeightsResponse]:
         """Pushes to every target. A replica that is down is taken out of serving (the next check

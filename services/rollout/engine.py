@@ -47,6 +47,16 @@ class _LoadJob(_Job):
     version: int = 0
 
 
+@dataclass
+class _BroadcastJob(_Job):
+    """GPU only: receive a state dict over NCCL from the learner (services/rollout/nccl.py)."""
+
+    group: object = None  # BroadcastGroup
+    rank_offset: int = 1
+    entries: Sequence = ()  # (name, TensorInfo) in broadcast order
+    version: int = 0
+
+
 class VersionError(ValueError):
     """A weight push whose version is not newer than the engine's."""
 
@@ -102,6 +112,7 @@ class RolloutEngine:
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
         self.generated_tokens = 0
+        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers joined, GPU only
 
     @property
     def version(self) -> int:
@@ -124,6 +135,19 @@ class RolloutEngine:
         self._queue.put(job)
         return job.future.result(timeout=timeout_s)
 
+    @property
+    def supports_broadcast(self) -> bool:
+        """NCCL weight broadcast needs CUDA workers."""
+        import torch
+
+        return torch.cuda.is_available()
+
+    def receive_broadcast(self, group, rank_offset: int, entries: Sequence, version: int) -> float:
+        """GPU only: joins `group` (first time) and receives `entries` over NCCL as `version`; returns seconds."""
+        job = _BroadcastJob(group=group, rank_offset=rank_offset, entries=entries, version=version)
+        self._queue.put(job)
+        return job.future.result()
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
@@ -138,8 +162,8 @@ class RolloutEngine:
 
     def _run(self) -> None:
         while (job := self._next_job()) is not None:
-            if isinstance(job, _LoadJob):
-                self._finish(job, self._load)
+            if isinstance(job, _LoadJob | _BroadcastJob):
+                self._finish(job, self._load if isinstance(job, _LoadJob) else self._receive_broadcast)
                 continue
             batch = [job]
             count = len(job.prompts)
@@ -168,6 +192,23 @@ class RolloutEngine:
             raise VersionError(f"version {job.version} is not newer than the current version {self._version}")
         started = time.perf_counter()
         self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
+        self._llm.reset_prefix_cache()
+        self._version = job.version
+        return time.perf_counter() - started
+
+    def _receive_broadcast(self, job: _BroadcastJob) -> float:
+        if job.version <= self._version:
+            raise VersionError(f"version {job.version} is not newer than the current version {self._version}")
+        started = time.perf_counter()
+        if self._joined_group != (job.group, job.rank_offset):
+            group = job.group
+            args = (group.master_address, group.master_port, job.rank_offset, group.world_size)
+            self._llm.collective_rpc("init_weight_broadcast", args=args)
+            self._joined_group = (job.group, job.rank_offset)
+        names = [name for name, _ in job.entries]
+        dtypes = [{"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[info.dtype] for _, info in job.entries]
+        shapes = [list(info.shape) for _, info in job.entries]
+        self._llm.collective_rpc("receive_weight_broadcast", args=(names, dtypes, shapes))
         self._llm.reset_prefix_cache()
         self._version = job.version
         return time.perf_counter() - started

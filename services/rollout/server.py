@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import re
@@ -22,8 +23,9 @@ from rlep_common.grpc_utils import check_request_size, reject_unknown_fields
 from rlep_common.wire import FINISH_TO_PROTO
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import RolloutEngine, VersionError
+from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest
 from services.rollout.types import Generation, Sampling
-from services.rollout.weights import WeightError, WeightSpec, read_header, sha256_file
+from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header, sha256_file
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"]
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -224,6 +226,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"version {header.version} is not newer than the current version {self._engine.version}",
             )
+        second = next(chunks, None)
+        if second is not None and second.WhichOneof("kind") == "nccl_broadcast":
+            return self._update_by_broadcast(header, second.nccl_broadcast, chunks, context)
+        chunks = itertools.chain([second] if second is not None else [], chunks)
         staged: Path | None = None
         try:
             try:
@@ -244,6 +250,45 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._metrics.weight_version.set(self._engine.version)
         return rollout_pb2.UpdateWeightsResponse(
             version=header.version, receive_seconds=received, load_seconds=load_seconds
+        )
+
+    def _update_by_broadcast(self, header, broadcast: rollout_pb2.NcclBroadcast, chunks, context):
+        """GPU path (not exercised by CI): check the manifest, then receive the tensors over NCCL."""
+        started = time.perf_counter()
+        try:
+            if next(chunks, None) is not None:
+                raise WeightError("nothing may follow an nccl_broadcast chunk")
+            entries = [(t.name, TensorInfo(t.dtype, tuple(t.shape))) for t in broadcast.tensors]
+            if len({name for name, _ in entries}) != len(entries):
+                raise WeightError("nccl_broadcast names a tensor twice")
+            if manifest_digest(entries) != header.sha256:
+                raise WeightError("sha256 of the manifest does not match the header")
+            if manifest_bytes(entries) != header.total_bytes:
+                raise WeightError(
+                    f"the manifest holds {manifest_bytes(entries)} bytes, header.total_bytes says {header.total_bytes}"
+                )
+            self._spec.check(dict(entries))
+            if not broadcast.master_address or not 0 < broadcast.master_port < 65536:
+                raise WeightError("nccl_broadcast needs master_address and a master_port in 1..65535")
+            if not 1 <= broadcast.rank_offset < broadcast.world_size:
+                raise WeightError("nccl_broadcast needs 1 <= rank_offset < world_size (rank 0 is the learner)")
+        except WeightError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not self._engine.supports_broadcast:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "weight broadcast over NCCL needs a GPU worker; this one runs on CPU (push with stream or shared_file)",
+            )
+        group = BroadcastGroup(broadcast.master_address, broadcast.master_port, broadcast.world_size)
+        try:
+            load_seconds = self._engine.receive_broadcast(group, broadcast.rank_offset, entries, header.version)
+        except VersionError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        self._metrics.weight_version.set(self._engine.version)
+        return rollout_pb2.UpdateWeightsResponse(
+            version=header.version,
+            receive_seconds=time.perf_counter() - started - load_seconds,
+            load_seconds=load_seconds,
         )
 
     def _header_problem(self, header: rollout_pb2.WeightHeader) -> str | None:

@@ -253,3 +253,40 @@ def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file):
     for series in ("rlep_rollout_weight_update_seconds_count", "rlep_rollout_requests_in_flight"):
         series_value(text, series)  # raises when not exported
     series_value(text, "rlep_rollout_batch_tokens_per_second")
+
+
+def _broadcast_push(stub, version: int, entries, **override):
+    """An UpdateWeights call that asks the worker to receive `entries` over NCCL (GPU workers only)."""
+    from services.rollout.nccl import manifest_bytes, manifest_digest
+
+    header = rollout_pb2.WeightHeader(
+        version=version, sha256=manifest_digest(entries), total_bytes=manifest_bytes(entries)
+    )
+    fields = {"master_address": "127.0.0.1", "master_port": 29650, "rank_offset": 1, "world_size": 2}
+    chunk = rollout_pb2.NcclBroadcast(
+        **{**fields, **override},
+        tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries],
+    )
+    messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]
+    return stub.UpdateWeights(iter(messages), timeout=30)
+
+
+def test_nccl_broadcast_pushes_are_checked_and_a_cpu_worker_declines_them(stub, rollout, hf_model):
+    """The GPU path's control half: the manifest is checked like any payload; a CPU worker says it can't."""
+    from services.rollout.nccl import manifest
+
+    version = rollout.engine.version
+    entries = manifest(perturbed_state_dict(hf_model, 12))
+    reshaped = [(n, type(i)(i.dtype, (7,)) if n == "model.norm.weight" else i) for n, i in entries]
+    bad = {
+        "do not fit the model": lambda: _broadcast_push(stub, version + 1, reshaped),
+        "names a tensor twice": lambda: _broadcast_push(stub, version + 1, [*entries, entries[0]]),
+        "rank_offset": lambda: _broadcast_push(stub, version + 1, entries, rank_offset=0),
+        "master_port": lambda: _broadcast_push(stub, version + 1, entries, master_port=0),
+    }
+    for message, push in bad.items():
+        err = _abort_code(push)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details(), (message, err.details())
+    err = _abort_code(lambda: _broadcast_push(stub, version + 1, entries))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "needs a GPU worker" in err.details()
+    assert stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).policy_version == version

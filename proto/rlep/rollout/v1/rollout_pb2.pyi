@@ -116,14 +116,40 @@ class WeightHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., format: _Optional[_Union[WeightFormat, str]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("header", "data", "shared_file")
+    __slots__ = ("header", "data", "shared_file", "nccl_broadcast")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHARED_FILE_FIELD_NUMBER: _ClassVar[int]
+    NCCL_BROADCAST_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
     data: bytes
     shared_file: str
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared_file: _Optional[str] = ...) -> None: ...
+    nccl_broadcast: NcclBroadcast
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared_file: _Optional[str] = ..., nccl_broadcast: _Optional[_Union[NcclBroadcast, _Mapping]] = ...) -> None: ...
+
+class NcclBroadcast(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "tensors")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "receive_seconds", "load_seconds")
