@@ -67,7 +67,25 @@ def main() -> None:
     table.add_row("RLEP final accuracy", spread(column("rlep_final")))
     table.add_row("baseline step time (s)", spread(column("baseline_step_seconds")))
     table.add_row("RLEP step time (s)", spread(column("rlep_step_seconds")))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+
+    # Seeds start from different warm-up models, so the spread above is mostly theirs; what replay
+    # changes shows in the paired differences (same seed, same warm-up model, same evaluation).
+    paired = Table(title="paired per seed: RLEP minus baseline")
+    for name in ("seed", "warm-up pass@1", "steps saved to baseline peak", "peak diff", "final diff"):
+        paired.add_column(name, justify="right")
+    for r in results:
+        reached = r["rlep_steps_to_baseline_peak"]
+        saved = "not reached" if reached is None else str(r["baseline_peak_step"] - reached)
+        paired.add_row(
+            str(r["seed"]),
+            f"{r['warmup_pass_at_1']:.3f}",
+            saved,
+            f"{r['rlep_peak'] - r['baseline_peak']:+.3f}",
+            f"{r['rlep_final'] - r['baseline_final']:+.3f}",
+        )
+    console.print(paired)
     (args.out / "summary.json").write_text(json.dumps({"seeds": args.seeds, "runs": results}, indent=2))
 
 

@@ -97,6 +97,8 @@ class LocalServicesConfig(StrictModel):
     """Redis of the replay service; None = the embedded redis-server under ~/.cache/rlep/redis."""
     learner_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per learner process."""
+    learner_gpus: float | None = Field(None, ge=0)
+    """Ray GPUs per learner process; None = 1 when the machine starting the run has a GPU, else 0."""
 
 
 class WeightSyncConfig(StrictModel):

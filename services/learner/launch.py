@@ -76,7 +76,13 @@ class ServiceActor:
 
 @ray.remote
 class PolicyActor:
-    def __init__(self, model_dir: str, config: dict, rank: int, world_size: int, master_addr: str, master_port: int):
+    """One learner process. Started in two phases: placed first, then `setup` once rank 0 has named the
+    rendezvous (its own node and a port free there: on a cluster it need not be the driver's node)."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, model_dir: str, config: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         from services.learner.policy import PolicyTrainer, init_distributed
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
@@ -126,17 +132,15 @@ class RayPolicy:
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
-        master = ray.util.get_node_ip_address()
-        port = _free_port()
-        options = {"num_cpus": config.local.learner_cpus}
-        if torch.cuda.is_available():
-            options["num_gpus"] = 1
-        self.actors = [
-            PolicyActor.options(**options).remote(
-                str(model_dir), config.model_dump(mode="json"), rank, world, master, port
-            )
-            for rank in range(world)
-        ]
+        gpus = config.local.learner_gpus
+        gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus is None else gpus
+        options = {"num_cpus": config.local.learner_cpus, "num_gpus": gpus}
+        self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
+        master, port = ray.get(self.actors[0].rendezvous.remote())
+        settings = config.model_dump(mode="json")
+        ray.get(
+            [a.setup.remote(str(model_dir), settings, rank, world, master, port) for rank, a in enumerate(self.actors)]
+        )
 
     # Collectives (ZeRO-3 gathers, gradient all-reduce) need every process in every call, so each
     # call goes to all actors; rank 0's answer is the result.
