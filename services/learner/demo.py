@@ -23,7 +23,7 @@ from services.learner.config import TrainConfig
 
 
 class DemoConfig(StrictModel):
-    """Sizes of the miniature protocol. Defaults were measured to fit ~12 minutes on 2 CPU cores."""
+    """Sizes of the miniature protocol. Defaults were measured at 13-14 minutes on 2 CPU cores."""
 
     seed: int = 0
     out_dir: Path = Path("rlep-demo")

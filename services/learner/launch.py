@@ -80,7 +80,7 @@ class PolicyActor:
     rendezvous (its own node and a port free there: on a cluster it need not be the driver's node)."""
 
     def rendezvous(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+        return self.node_address(), _free_port()
 
     def setup(self, model_dir: str, config: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         from services.learner.policy import PolicyTrainer, init_distributed

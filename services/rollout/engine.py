@@ -162,8 +162,11 @@ class RolloutEngine:
 
     def _run(self) -> None:
         while (job := self._next_job()) is not None:
-            if isinstance(job, _LoadJob | _BroadcastJob):
-                self._finish(job, self._load if isinstance(job, _LoadJob) else self._receive_broadcast)
+            if isinstance(job, _LoadJob):
+                self._finish(job, self._load)
+                continue
+            if isinstance(job, _BroadcastJob):
+                self._finish(job, self._receive_broadcast)
                 continue
             batch = [job]
             count = len(job.prompts)
@@ -187,9 +190,12 @@ class RolloutEngine:
         except Exception as err:  # handed to the caller, who maps it to a status
             job.future.set_exception(err)
 
+    def _check_newer(self, version: int) -> None:
+        if version <= self._version:
+            raise VersionError(f"version {version} is not newer than the current version {self._version}")
+
     def _load(self, job: _LoadJob) -> float:
-        if job.version <= self._version:
-            raise VersionError(f"version {job.version} is not newer than the current version {self._version}")
+        self._check_newer(job.version)
         started = time.perf_counter()
         self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
         self._llm.reset_prefix_cache()
@@ -197,8 +203,9 @@ class RolloutEngine:
         return time.perf_counter() - started
 
     def _receive_broadcast(self, job: _BroadcastJob) -> float:
-        if job.version <= self._version:
-            raise VersionError(f"version {job.version} is not newer than the current version {self._version}")
+        from services.rollout.nccl import TORCH_DTYPE
+
+        self._check_newer(job.version)
         started = time.perf_counter()
         if self._joined_group != (job.group, job.rank_offset):
             group = job.group
@@ -206,7 +213,7 @@ class RolloutEngine:
             self._llm.collective_rpc("init_weight_broadcast", args=args)
             self._joined_group = (job.group, job.rank_offset)
         names = [name for name, _ in job.entries]
-        dtypes = [{"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[info.dtype] for _, info in job.entries]
+        dtypes = [str(TORCH_DTYPE[info.dtype]).removeprefix("torch.") for _, info in job.entries]
         shapes = [list(info.shape) for _, info in job.entries]
         self._llm.collective_rpc("receive_weight_broadcast", args=(names, dtypes, shapes))
         self._llm.reset_prefix_cache()

@@ -53,14 +53,7 @@ def manifest_digest(entries: Sequence[tuple[str, TensorInfo]]) -> str:
 
 
 def manifest_bytes(entries: Sequence[tuple[str, TensorInfo]]) -> int:
-    sizes = {"F32": 4, "BF16": 2, "F16": 2}
-    total = 0
-    for _, info in entries:
-        count = 1
-        for dim in info.shape:
-            count *= dim
-        total += count * sizes[info.dtype]
-    return total
+    return sum(info.nbytes for _, info in entries)
 
 
 def rank_offsets(replicas: int, workers_per_replica: int) -> list[int]:

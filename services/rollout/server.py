@@ -72,7 +72,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, engine: RolloutEngine, config: RolloutConfig, metrics: RolloutMetrics):
         self._engine, self._config, self._metrics = engine, config, metrics
         self._spec = WeightSpec.from_checkpoint(Path(engine.model_path))
-        self._max_payload = sum(_nbytes(t) for t in self._spec.tensors.values()) * 2 + HEADER_SLACK_BYTES
+        self._max_payload = sum(t.nbytes for t in self._spec.tensors.values()) * 2 + HEADER_SLACK_BYTES
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self._replica_id = config.replica_id or f"{socket.gethostname()}:{os.getpid()}"
         metrics.weight_version.set(engine.version)
@@ -355,8 +355,3 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 generated_tokens=self._engine.generated_tokens,
                 pid=os.getpid(),
             )
-
-
-def _nbytes(info) -> int:
-    sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
-    return math.prod(info.shape) * sizes.get(info.dtype, 8)

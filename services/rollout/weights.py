@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,19 @@ class WeightError(ValueError):
     """A payload that does not fit the model; the message says what is wrong."""
 
 
+# Bytes per element of the safetensors dtypes.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str  # safetensors spelling: F32, BF16, F16, ...
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data (an unknown dtype counts 8 bytes an element: an upper bound)."""
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 8)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
