@@ -60,6 +60,8 @@ class Trajectory:
     prompt_text: str = ""
     run_id: str = ""
     created_at_ms: int = 0
+    tokenizer_fingerprint: str = ""
+    """Which tokenizer made the token ids (`services.learner.tokens.tokenizer_fingerprint`); "" = unknown."""
 
     def __post_init__(self) -> None:
         if not self.question_id:

@@ -39,6 +39,7 @@ def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
         run_id=t.run_id,
         prompt_text=t.prompt_text,
         created_at_ms=t.created_at_ms,
+        tokenizer_fingerprint=t.tokenizer_fingerprint,
     )
 
 
@@ -58,4 +59,5 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
         prompt_text=m.prompt_text,
         run_id=m.run_id,
         created_at_ms=m.created_at_ms,
+        tokenizer_fingerprint=m.tokenizer_fingerprint,
     )

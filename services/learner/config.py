@@ -1,10 +1,12 @@
-"""Configuration of a training run (`rlep train --config X.yaml`). Defaults are the paper's recipe.
+"""Configuration of a training run (`rlep train --config X.yaml`). Defaults are RLEP's recipe.
 
-RLEP (arXiv 2507.07451) trains with DAPO's verl recipe without dynamic sampling ("DAPO-nodyn"):
-512 prompts per step, 16 fresh samples each at T=1.0 / top-p 1.0, PPO mini-batches of 32 prompts,
-lr 1e-6 with 10 warm-up steps, clip 0.2 / 0.28, dual-clip 10, token-mean loss, overlong shaping
-with a 4096-token buffer; RLEP adds M=2 replayed successes per question. The demo and the tests
-override sizes, not the recipe.
+RLEP (arXiv 2507.07451) trains Qwen2.5-Math-7B with DAPO's verl recipe without dynamic sampling,
+mini-batch 64 prompts ("DAPO-nodyn-bs64"): 512 prompts per step, 16 fresh samples each at
+T=1.0 / top-p 1.0, prompts left-truncated to 1024 tokens, responses up to 3072 tokens with a
+512-token overlong buffer, lr 1e-6 with 10 warm-up training steps, clip 0.2 / 0.28, dual-clip 10,
+token-mean loss; RLEP adds M=2 replayed successes per question. These defaults equal
+`configs/recipes/rlep.yaml`; the other rows of the paper's Table 1 are files beside it. The demo and
+the tests override sizes, not the recipe.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from services.replay.core import Strategy
 from services.rollout.config import EngineConfig
 
 
+class DynamicSamplingConfig(StrictModel):
+    """DAPO's dynamic sampling: drop groups whose fresh rewards are all equal, generate more until full."""
+
+    enabled: bool = False
+    questions_per_round: int | None = Field(None, ge=1)
+    """Questions generated per round (verl's `gen_batch_size`; DAPO: 3 x questions_per_step); None = B."""
+    max_rounds: int = Field(10, ge=1)
+    """Bound on generation rounds per step (verl's `max_num_gen_batches`). A step that is still short
+    after it trains on the groups it kept (and says so in its record) instead of failing."""
+    metric: Literal["acc", "score"] = "acc"
+    """What must vary within a group: verified correctness (`acc`) or the shaped reward (`score`)."""
+
+
 class AlgorithmConfig(StrictModel):
     questions_per_step: int = Field(512, ge=1)
     """B: training questions per step."""
@@ -29,19 +44,28 @@ class AlgorithmConfig(StrictModel):
     """M: replayed successes per question (0 = the DAPO-nodyn baseline, same code path)."""
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_response_tokens: int = Field(20480, ge=1)
-    mini_batch_questions: int = Field(32, ge=1)
-    """PPO mini-batch size in questions; B / this = optimizer steps per training step."""
+    max_response_tokens: int = Field(3072, ge=1)
+    """Generation limit; replayed answers are cut to it too."""
+    mini_batch_questions: int = Field(64, ge=1)
+    """PPO mini-batch in questions, counted in fresh sequences as verl does: one optimizer step per
+    `mini_batch_questions x G` rows, so M replayed rows per question add updates (B=512, G=16, M=2,
+    64 -> 9 updates per step)."""
     ppo_epochs: int = Field(1, ge=1)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     clip_c: float = Field(10.0, gt=1)
     loss_agg: LossAgg = "token-mean"
-    overlong_buffer_tokens: int = Field(4096, ge=0)
-    """DAPO's soft overlong punishment zone before max_response_tokens (0 = off)."""
+    overlong_buffer_tokens: int = Field(512, ge=0)
+    """DAPO's soft overlong punishment zone before max_response_tokens (0 = off); fresh and replayed alike."""
     overlong_penalty: float = Field(1.0, ge=0)
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     replay_strategy: Strategy = Strategy.UNIFORM
     """Beyond the reference (off by default): how replayed successes are chosen."""
+    reverify_replayed: bool = True
+    """Score replayed answers with this run's verifier like fresh ones (the reference's reward manager
+    scores the whole batch); False = trust the stored reward."""
+    require_replay: bool = False
+    """With M > 0, fail the step (instead of warning) when it gets no replayed answer at all."""
     online_replay: bool = False
     """Beyond the reference: add this run's new successes to the pool as they appear."""
     max_replayed_fraction: float | None = Field(None, gt=0, le=1)
@@ -118,7 +142,12 @@ class DataConfig(StrictModel):
     train_files: list[Path] = []
     """verl/DAPO parquet files (`prompt`, `reward_model.ground_truth`, `data_source`)."""
     shuffle: bool = True
-    max_prompt_tokens: int = Field(2048, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Chat-templated prompts longer than this are left-truncated (the reference's `truncation: left`),
+    and further when prompt + max_response_tokens would not fit the rollout model; counted per step."""
+    seed_pool_from_candidates: bool = True
+    """When a training file carries `reward_model.candidates` (RLEP's released format) and M > 0, import
+    them into `replay_pool` at start (idempotent; skipped when the pool already holds them all)."""
 
 
 class EvalConfig(StrictModel):
@@ -128,6 +157,22 @@ class EvalConfig(StrictModel):
     samples_per_question: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0)
     max_questions: int = Field(512, ge=1)
+
+
+class CollectConfig(StrictModel):
+    """Phase 1 of RLEP (`rlep collect`): N answers per training question from a trained policy, verified ones kept."""
+
+    samples_per_question: int = Field(64, ge=1)
+    """N (paper: 64)."""
+    temperature: float = Field(0.7, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_response_tokens: int = Field(3072, ge=1)
+    min_successes: int = Field(2, ge=1)
+    """Questions with fewer distinct verified successes are left out of the pool (paper: 2)."""
+    questions_per_chunk: int = Field(64, ge=1)
+    """Questions per generation call; progress is saved after each chunk."""
+    seed: int = 0
+    run_id: str = "collect"
 
 
 class TrainConfig(StrictModel):
@@ -147,6 +192,8 @@ class TrainConfig(StrictModel):
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    collect: CollectConfig = CollectConfig()
+    """Settings of `rlep collect` when it is given this file (`configs/recipes/collect.yaml`)."""
     log_file: Path | None = None
     """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

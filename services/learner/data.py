@@ -43,7 +43,7 @@ def load_questions(paths: Sequence[Path]) -> list[Question]:
                 raise ValueError(f"{path}: a row has an empty prompt")
             source = row.get("data_source") or ""
             extra = row.get("extra_info") or {}
-            qid = extra.get("question_id") or question_id(prompt, source)
+            qid = extra.get("question_id") or question_id(prompt)
             truth = (row["reward_model"] or {}).get("ground_truth")
             if truth is None:
                 raise ValueError(f"{path}: question {qid} has no reward_model.ground_truth")

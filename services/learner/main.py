@@ -11,19 +11,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from services.learner.config import TrainConfig
 from services.learner.data import load_questions
 from services.learner.launch import LocalStack, RayPolicy, init_ray
+from services.learner.pool_seed import seed_pool_from_candidates
+from services.learner.tokens import PolicyTokenizer
 from services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def pad_token_id(model_dir: Path) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError(f"the tokenizer in {model_dir} has neither a pad nor an EOS token")
-    return int(pad)
+def policy_tokenizer(model_dir: Path, config: TrainConfig) -> PolicyTokenizer:
+    return PolicyTokenizer.load(model_dir, config.data.max_prompt_tokens, config.algorithm.max_response_tokens)
 
 
 def run_training(
@@ -48,6 +44,8 @@ def run_training(
     stack = stack or LocalStack(config, model_dir)
     algo = config.algorithm
     services = stack.services if not own_stack else stack.start(algo.replayed_per_question > 0 or algo.online_replay)
+    if services.replay is not None and algo.replayed_per_question > 0 and config.data.seed_pool_from_candidates:
+        seed_pool_from_candidates(services.replay, config.replay_pool, config.data.train_files)
     policy = RayPolicy(model_dir, config)
     metrics_server = _start_metrics(config)
     try:
@@ -57,7 +55,7 @@ def run_training(
             questions,
             policy,
             services,
-            pad_token_id(model_dir),
+            policy_tokenizer(model_dir, config),
             metrics=metrics_server[1] if metrics_server else None,
             eval_questions=eval_questions,
             on_step=on_step,

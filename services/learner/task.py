@@ -121,7 +121,7 @@ def write_parquet(problems: Sequence[Problem], path: Path | str) -> Path:
     """Writes `problems` as verl/DAPO parquet: prompt, reward_model, data_source, ability, extra_info.
 
     `extra_info` holds the row index and the problem's split; the question id the services use is
-    `rlep_common.dataset.question_id(prompt, DATA_SOURCE)`.
+    `rlep_common.dataset.question_id(prompt)`.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,10 +1,12 @@
 """One RLEP training run: the step loop over the services, checkpoints and resume.
 
-A step (RLEP / DAPO-nodyn, defaults in config.py): B questions from the cursor -> rollout samples G
-each -> verifier scores them (+ overlong shaping) -> replay adds M stored successes per question ->
-advantages over each mixed group of G+M -> old logprobs of all G+M under the current weights ->
-PPO mini-batch updates with DAPO's loss -> new weights pushed to every rollout replica. M=0 is the
-baseline, on the same path.
+A step (RLEP / DAPO-nodyn, defaults in config.py): B questions from the cursor, rendered and
+left-truncated by the learner (`tokens.py`) -> rollout samples G each -> verifier scores them
+(+ overlong shaping); with dynamic sampling, groups whose rewards are all equal are dropped and more
+questions generated until B are kept -> replay adds M stored successes per question, laid out and
+scored like fresh samples (`experience.py`) -> advantages over each mixed group of G+M -> old logprobs
+of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
+to every rollout replica. M=0 is the baseline, on the same path.
 
 The policy object does the tensor work (a local `PolicyTrainer`, or `RayPolicy` spreading it over
 DeepSpeed processes); everything else here is bookkeeping and service calls.
@@ -12,30 +14,30 @@ DeepSpeed processes); everything else here is bookkeeping and service calls.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import grpc
 import numpy as np
 import torch
 
-from rlep_common.algorithm import overlong_penalty
-from rlep_common.types import Group, Source, Trajectory, Verdict
+from rlep_common.types import Group, Trajectory, Verdict
 from services.learner.batch import ExperienceBatch, build_batch
 from services.learner.config import TrainConfig
 from services.learner.data import DataCursor, Question
-from services.learner.metrics import PHASES, LearnerMetrics
+from services.learner.experience import ReplayReport
+from services.learner.metrics import LearnerMetrics
+from services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
+from services.learner.tokens import PolicyTokenizer
 from services.rollout.nccl import BroadcastGroup
 from services.rollout.types import Sampling
+
+__all__ = ["Policy", "Services", "Trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -54,30 +56,6 @@ class Policy(Protocol):
     def broadcast_address(self) -> str: ...
 
 
-@dataclass
-class Services:
-    rollout: Any  # RolloutClient
-    verifier: Any  # VerifierClient
-    replay: Any | None  # ReplayClient (needed when M > 0 or online replay is on)
-
-
-@dataclass
-class StepTimer:
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - started
-
-
-def step_seed(seed: int, step: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
 class Trainer:
     def __init__(
         self,
@@ -86,13 +64,13 @@ class Trainer:
         questions: list[Question],
         policy: Policy,
         services: Services,
-        pad_id: int,
+        tokenizer: PolicyTokenizer,
         metrics: LearnerMetrics | None = None,
         eval_questions: list[Question] | None = None,
         on_step: Callable[[dict], None] | None = None,
     ):
         self.config, self.model_dir, self.questions, self.policy = config, model_dir, questions, policy
-        self.services, self.pad_id, self.metrics = services, pad_id, metrics
+        self.services, self.tokenizer, self.metrics = services, tokenizer, metrics
         self.eval_questions = eval_questions or []
         self.on_step = on_step
         self.cursor = DataCursor(len(questions), config.seed, config.data.shuffle)
@@ -103,6 +81,7 @@ class Trainer:
             raise ValueError("M > 0 or online replay needs a replay service")
         self._nccl_groups: dict[tuple[str, ...], BroadcastGroup] = {}
         self._manifest: list | None = None  # tensor names, dtypes, shapes (fixed for a run)
+        self.inputs = StepInputs(config, questions, self.cursor, services, tokenizer)
         self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
 
     # -- start, resume, weights --------------------------------------------------------------
@@ -121,6 +100,9 @@ class Trainer:
             log.info("resumed at step %d (cursor %s)", self.step, state["cursor"])
         # Versions only grow per deployment: start above whatever the replicas serve now.
         self.version = max(self.services.rollout.versions()) + 1
+        model_len = min(status.max_model_len for status in self.services.rollout.status())
+        self.tokenizer.fit_model_length(model_len)
+        log.info("prompts are left-truncated to %d tokens", self.tokenizer.max_prompt_tokens)
         self.push_weights()
         if self.step == 0 and self.eval_questions and self.config.eval.every_steps:
             # Where the run starts from: step 0 of the accuracy curve.
@@ -166,39 +148,27 @@ class Trainer:
     def train_step(self) -> dict:
         algo, timer = self.config.algorithm, StepTimer()
         started = time.perf_counter()
-        questions = [self.questions[i] for i in self.cursor.next_indices(algo.questions_per_step)]
         with timer.phase("rollout"):
             self.sync_rollout()
-            completions = self.services.rollout.generate(
-                [q.chat() for q in questions],
-                Sampling(
-                    n=algo.fresh_per_question,
-                    temperature=algo.temperature,
-                    top_p=algo.top_p,
-                    max_tokens=algo.max_response_tokens,
-                    seed=step_seed(self.config.seed, self.step),
-                ),
-            )
-        with timer.phase("verify"):
-            fresh = self._score(questions, completions)
-        with timer.phase("replay"):
-            replayed = self._replayed(questions)
+        gathered = self.inputs.gather(self.step, timer)
+        replay = ReplayReport()
+        replayed = self.inputs.replayed(self.step, gathered, replay, timer)
         groups = [
-            Group(q.question_id, q.ground_truth, fresh[i] + replayed.get(q.question_id, []))
-            for i, q in enumerate(questions)
+            Group(q.question_id, q.ground_truth, fresh + replayed.get(q.question_id, []))
+            for q, fresh in zip(gathered.questions, gathered.fresh, strict=True)
         ]
-        batch = build_batch(groups, self.pad_id)
+        batch = build_batch(groups, self.tokenizer.pad_id)
         with timer.phase("train"):
             batch = batch.with_old_logprobs(self.policy.logprobs(batch))
-            rows_per_mini = max(1, round(batch.size * algo.mini_batch_questions / algo.questions_per_step))
-            stats = self.policy.update(batch, rows_per_mini)
+            # Mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
+            stats = self.policy.update(batch, algo.mini_batch_questions * algo.fresh_per_question)
         with timer.phase("weight_push"):
             self.version += 1
             self.push_weights()
         if algo.online_replay:
-            self._add_successes(fresh)
+            self._add_successes(gathered.fresh)
         self.step += 1
-        record = self._record(questions, fresh, batch, stats, timer, time.perf_counter() - started)
+        record = self._record(gathered, replay, batch, stats, timer, time.perf_counter() - started)
         if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
             record["eval_accuracy"] = self.evaluate()
         self._publish(record, timer)
@@ -206,73 +176,6 @@ class Trainer:
         if ckpt.dir and (self.step % ckpt.every_steps == 0 or self.step == self.config.steps):
             self.save_checkpoint()
         return record
-
-    def _score(self, questions: list[Question], completions) -> list[list[Trajectory]]:
-        algo = self.config.algorithm
-        items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
-        outcomes = iter(self.services.verifier.verify(items))
-        groups = []
-        for q, completion in zip(questions, completions, strict=True):
-            group = []
-            for s in completion.samples:
-                outcome = next(outcomes)
-                reward = outcome.reward
-                if algo.overlong_buffer_tokens > 0:
-                    reward += float(
-                        overlong_penalty(
-                            torch.tensor([len(s.token_ids)]),
-                            algo.max_response_tokens,
-                            algo.overlong_buffer_tokens,
-                            algo.overlong_penalty,
-                        )[0]
-                    )
-                group.append(
-                    Trajectory(
-                        question_id=q.question_id,
-                        response_text=s.text,
-                        reward=reward,
-                        source=Source.FRESH,
-                        verdict=outcome.verdict,
-                        policy_version=s.policy_version,
-                        finish_reason=s.finish_reason,
-                        prompt_token_ids=tuple(completion.prompt_token_ids),
-                        response_token_ids=tuple(s.token_ids),
-                        behavior_logprobs=tuple(s.logprobs),
-                        run_id=self.config.run_id,
-                        created_at_ms=int(time.time() * 1000),
-                    )
-                )
-            groups.append(group)
-        return groups
-
-    def _replayed(self, questions: list[Question]) -> dict[str, list[Trajectory]]:
-        algo = self.config.algorithm
-        m = algo.replayed_per_question
-        if m == 0:
-            return {}
-        if algo.max_replayed_fraction is not None:
-            # replayed / (G + replayed) <= cap  =>  replayed <= cap * G / (1 - cap)
-            cap = algo.max_replayed_fraction
-            m = min(m, int(cap * algo.fresh_per_question / (1 - cap)) if cap < 1 else m)
-        try:
-            sampled = self.services.replay.sample(
-                self.config.replay_pool,
-                [q.question_id for q in questions],
-                m=m,
-                strategy=algo.replay_strategy,
-                seed=step_seed(self.config.seed + 7919, self.step),
-            )
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            # Nothing collected (yet): train on the fresh samples alone, and say so.
-            log.warning("replay pool %r does not exist: no replayed samples this step", self.config.replay_pool)
-            return {}
-        # The pool stores the successes' own prompts; a trajectory without tokens cannot be trained on.
-        return {
-            qid: [_as_replayed(t) for t in found if t.prompt_token_ids and t.response_token_ids]
-            for qid, found in sampled.items()
-        }
 
     def _add_successes(self, fresh: list[list[Trajectory]]) -> None:
         successes = [t for group in fresh for t in group if t.verdict == Verdict.CORRECT]
@@ -285,7 +188,7 @@ class Trainer:
         cfg = self.config.eval
         questions = self.eval_questions[: cfg.max_questions]
         completions = self.services.rollout.generate(
-            [q.chat() for q in questions],
+            [self.tokenizer.encode_prompt(q.chat()).token_ids for q in questions],
             Sampling(
                 n=cfg.samples_per_question,
                 temperature=cfg.temperature,
@@ -297,27 +200,28 @@ class Trainer:
         outcomes = self.services.verifier.verify(items)
         return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
 
-    def _record(self, questions, fresh, batch: ExperienceBatch, stats, timer: StepTimer, seconds: float) -> dict:
-        flat = [t for group in fresh for t in group]
-        lengths = [len(t.response_token_ids) for t in flat]
+    def _record(self, gathered: Gathered, replay: ReplayReport, batch, stats, timer: StepTimer, seconds: float) -> dict:
+        flat = [t for group in gathered.fresh for t in group]
         return {
             "step": self.step,
             "policy_version": self.version,
             "reward_mean": float(np.mean([t.reward for t in flat])),
             "fresh_accuracy": float(np.mean([t.verdict == Verdict.CORRECT for t in flat])),
             "replayed_fraction": float(batch.replayed.float().mean()),
+            **replay.record(),
             "advantage_mean": float(batch.advantages.mean()),
             "advantage_std": float(batch.advantages.std()) if batch.size > 1 else 0.0,
-            "clip_fraction": stats["clip_fraction"],
-            "approx_kl": stats["approx_kl"],
-            "entropy": stats["entropy"],
-            "loss": stats["loss"],
-            "lr": stats["lr"],
-            "response_length_mean": float(np.mean(lengths)),
+            **{key: stats[key] for key in ("clip_fraction", "approx_kl", "entropy", "loss", "lr")},
+            "optimizer_steps": stats.get("optimizer_steps"),
+            "response_length_mean": float(np.mean([len(t.response_token_ids) for t in flat])),
             "sequences": batch.size,
+            "prompts_truncated": gathered.prompts_truncated,
+            "generation_rounds": gathered.rounds,
+            "questions_generated": gathered.questions_generated,
+            "groups_filtered": gathered.groups_filtered,
             "step_seconds": seconds,
             "phase_seconds": dict(timer.seconds),
-            "question_ids": [q.question_id for q in questions],
+            "question_ids": [q.question_id for q in gathered.questions],
         }
 
     def _publish(self, record: dict, timer: StepTimer) -> None:
@@ -347,12 +251,6 @@ class Trainer:
         for old in tags[: -ckpt.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return ckpt.dir / tag / "hf"
-
-
-def _as_replayed(t: Trajectory) -> Trajectory:
-    from dataclasses import replace
-
-    return replace(t, source=Source.REPLAY)
 
 
 def _tuple_state(state):

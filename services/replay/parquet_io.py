@@ -5,7 +5,7 @@ Each row: `data_source`, `prompt` (chat list of {role, content}), `ability`,
 {index, question_id}. Importing turns every candidate into a stored success (verdict CORRECT,
 reward 1, policy version 0, run id "import:<file name>") of the row's question; the question id is
 `extra_info.question_id` when present (files we exported), else
-`rlep_common.dataset.question_id(prompt, data_source)`, the one the learner computes from the
+`rlep_common.dataset.question_id(prompt)` (content only, so a relabelled `data_source` still matches), the one the learner computes from the
 training parquet, so imported successes are found at training time. Exporting writes one row per
 question with all its stored successes as candidates, which the reference verl recipe reads as-is.
 """
@@ -39,7 +39,7 @@ def read_pool_rows(path: Path, pool: str, batch_rows: int = ROW_BATCH) -> Iterat
             source = row.get("data_source") or ""
             reward_model = row.get("reward_model") or {}
             extra = row.get("extra_info") or {}
-            qid = extra.get("question_id") or question_id(prompt, source)  # ours keep the id they had
+            qid = extra.get("question_id") or question_id(prompt)  # ours keep the id they had
             chunk.questions.add(
                 question_id=qid,
                 ground_truth=str(reward_model.get("ground_truth", "")),

@@ -29,6 +29,7 @@ STRATEGIES = {
     replay_pb2.DIVERSE: Strategy.DIVERSE,
 }
 MAX_QUESTION_ID_CHARS = 256
+MAX_FINGERPRINT_CHARS = 64
 
 
 class ReplayMetrics:
@@ -113,6 +114,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             return "missing response_text"
         if traj.verdict != trajectory_pb2.CORRECT:
             return f"not a success (verdict {trajectory_pb2.Verdict.Name(traj.verdict)}); the pool keeps CORRECT only"
+        if len(traj.tokenizer_fingerprint) > MAX_FINGERPRINT_CHARS:
+            return f"tokenizer_fingerprint longer than {MAX_FINGERPRINT_CHARS} characters"
         if traj.behavior_logprobs and len(traj.behavior_logprobs) != len(traj.response_token_ids):
             return "behavior_logprobs and response_token_ids differ in length"
         if traj.ByteSize() > self.config.max_trajectory_bytes:

@@ -23,7 +23,7 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     from rlep_common.tiny_model import cached_model
     from services.learner.data import load_questions
     from services.learner.launch import LocalStack, RayPolicy
-    from services.learner.main import pad_token_id
+    from services.learner.main import policy_tokenizer
     from services.learner.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("faults")
@@ -45,7 +45,7 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     seed_pool(stack, config.replay_pool, rows)
     policy = RayPolicy(model_dir, config)
     trainer = Trainer(
-        config, model_dir, load_questions([tmp / "train.parquet"]), policy, services, pad_token_id(model_dir)
+        config, model_dir, load_questions([tmp / "train.parquet"]), policy, services, policy_tokenizer(model_dir, config)
     )
     trainer.start()
     yield trainer, stack

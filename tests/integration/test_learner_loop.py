@@ -93,7 +93,7 @@ def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None
     for row in rows:
         prompt_text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         prompt_ids = tuple(tokenizer.encode(prompt_text, add_special_tokens=False))
-        qid = question_id(row["prompt"], row["data_source"])
+        qid = question_id(row["prompt"])
         truth = row["reward_model"]["ground_truth"]
         for k in range(per_question):
             text = f"{' ' * k}\\boxed{{{truth}}}"

@@ -56,7 +56,7 @@ def test_embedded_replay_with_pool_cli_round_trip(tmp_path, shared_data):
         run("pool", "export", "rlep-ref", str(tmp_path / "out.parquet"), "-a", address)
         exported = {r["extra_info"]["question_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
         for row in rows:
-            qid = question_id(row["prompt"], row["data_source"])
+            qid = question_id(row["prompt"])
             out = exported[qid]
             assert sorted(out["reward_model"]["candidates"]) == sorted(row["reward_model"]["candidates"])
             assert out["reward_model"]["ground_truth"] == row["reward_model"]["ground_truth"]

@@ -67,6 +67,6 @@ def test_pool_names_and_question_ids():
     with pytest.raises(ValueError, match="must match"):
         check_pool_name("a b")
     prompt = [{"role": "user", "content": "What is 1+1?"}]
-    assert question_id(prompt, "DAPO-17k") == question_id([dict(prompt[0])], "DAPO-17k")
-    assert question_id(prompt, "DAPO-17k") != question_id(prompt, "other")
+    assert question_id(prompt) == question_id([dict(prompt[0])])
+    assert question_id(prompt) != question_id([{"role": "user", "content": "What is 1+2?"}])
     assert len(question_id(prompt)) == 24

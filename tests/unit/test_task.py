@@ -92,5 +92,5 @@ def test_parquet_has_the_verl_schema_and_imports_as_replay_questions(tmp_path):
         assert row["extra_info"] == {"index": i, "split": "eval"}
     chunks = list(read_pool_rows(path, pool="demo"))
     questions = [q for chunk in chunks for q in chunk.questions]
-    assert [q.question_id for q in questions] == [question_id(problem_messages(p), DATA_SOURCE) for p in problems]
+    assert [q.question_id for q in questions] == [question_id(problem_messages(p)) for p in problems]
     assert [q.ground_truth for q in questions] == [p.answer for p in problems]

@@ -45,7 +45,7 @@ LENGTH: FinishReason
 ABORT: FinishReason
 
 class Trajectory(_message.Message):
-    __slots__ = ("question_id", "prompt_token_ids", "response_token_ids", "response_text", "reward", "verdict", "source", "policy_version", "finish_reason", "behavior_logprobs", "run_id", "prompt_text", "created_at_ms")
+    __slots__ = ("question_id", "prompt_token_ids", "response_token_ids", "response_text", "reward", "verdict", "source", "policy_version", "finish_reason", "behavior_logprobs", "run_id", "prompt_text", "created_at_ms", "tokenizer_fingerprint")
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class Trajectory(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     question_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     response_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,4 +73,5 @@ class Trajectory(_message.Message):
     run_id: str
     prompt_text: str
     created_at_ms: int
-    def __init__(self, question_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., reward: _Optional[float] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., source: _Optional[_Union[Source, str]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., run_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, question_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., reward: _Optional[float] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., source: _Optional[_Union[Source, str]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., run_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...

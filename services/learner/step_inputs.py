@@ -1,0 +1,216 @@
+"""What one training step trains on: generation rounds (with DAPO's dynamic sampling) and replayed answers.
+
+`StepInputs.gather` takes questions from the cursor, renders them with the policy's tokenizer, has
+rollout sample G answers each and the verifier score them; with dynamic sampling it drops groups
+whose rewards are all equal and generates further rounds until B groups are kept (at most
+`max_rounds`). `StepInputs.replayed` asks replay for M successes per kept question and lays them out
+and scores them like fresh answers. Both report what they did (`Gathered`, `ReplayReport`), and the
+step record carries it: nothing here fails silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from rlep_common.types import Trajectory
+from services.learner.config import TrainConfig
+from services.learner.data import DataCursor, Question
+from services.learner.experience import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
+from services.learner.metrics import PHASES
+from services.learner.tokens import EncodedPrompt, PolicyTokenizer
+from services.rollout.types import Sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Services:
+    rollout: Any  # RolloutClient
+    verifier: Any  # VerifierClient
+    replay: Any | None  # ReplayClient (needed when M > 0 or online replay is on)
+
+
+@dataclass
+class StepTimer:
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - started
+
+
+def step_seed(seed: int, step: int, round_index: int = 0) -> int:
+    key = f"{seed}:{step}" if round_index == 0 else f"{seed}:{step}:{round_index}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+class ReplayMissingError(RuntimeError):
+    """M > 0, `require_replay` is on, and a step got no replayed answer at all."""
+
+
+@dataclass
+class Gathered:
+    """The questions a step trains on, their prompts and scored fresh groups, and how they were got."""
+
+    questions: list[Question] = field(default_factory=list)
+    prompts: list[EncodedPrompt] = field(default_factory=list)
+    fresh: list[list[Trajectory]] = field(default_factory=list)
+    rounds: int = 0
+    questions_generated: int = 0
+    prompts_truncated: int = 0
+    groups_filtered: int = 0
+
+
+class StepInputs:
+    def __init__(
+        self,
+        config: TrainConfig,
+        questions: list[Question],
+        cursor: DataCursor,
+        services: Services,
+        tokenizer: PolicyTokenizer,
+    ):
+        self.config, self.questions, self.cursor = config, questions, cursor
+        self.services, self.tokenizer = services, tokenizer
+
+    def gather(self, step: int, timer: StepTimer) -> Gathered:
+        """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary."""
+        algo = self.config.algorithm
+        dynamic = algo.dynamic_sampling
+        per_round = (
+            (dynamic.questions_per_round or algo.questions_per_step) if dynamic.enabled else algo.questions_per_step
+        )
+        kept, last = Gathered(), Gathered()
+        for round_index in range(dynamic.max_rounds if dynamic.enabled else 1):
+            last = self._generate_round(step, round_index, per_round, timer)
+            kept.rounds += 1
+            kept.questions_generated += len(last.questions)
+            kept.prompts_truncated += last.prompts_truncated
+            for question, prompt, fresh in zip(last.questions, last.prompts, last.fresh, strict=True):
+                if dynamic.enabled and not group_varies(fresh, dynamic.metric):
+                    kept.groups_filtered += 1
+                    continue
+                kept.questions.append(question)
+                kept.prompts.append(prompt)
+                kept.fresh.append(fresh)
+            if len(kept.questions) >= algo.questions_per_step:
+                break
+        if len(kept.questions) < algo.questions_per_step:
+            log.warning(
+                "dynamic sampling kept %d of %d groups after %d rounds (max_rounds); training on %s",
+                len(kept.questions),
+                algo.questions_per_step,
+                kept.rounds,
+                "them" if kept.questions else "the last round's groups, whose advantages are all zero",
+            )
+            if not kept.questions:
+                kept.questions, kept.prompts, kept.fresh = last.questions, last.prompts, last.fresh
+        limit = algo.questions_per_step
+        kept.questions, kept.prompts, kept.fresh = kept.questions[:limit], kept.prompts[:limit], kept.fresh[:limit]
+        return kept
+
+    def _generate_round(self, step: int, round_index: int, count: int, timer: StepTimer) -> Gathered:
+        algo = self.config.algorithm
+        questions = [self.questions[i] for i in self.cursor.next_indices(count)]
+        prompts = [self.tokenizer.encode_prompt(q.chat()) for q in questions]
+        with timer.phase("rollout"):
+            completions = self.services.rollout.generate(
+                [p.token_ids for p in prompts],
+                Sampling(
+                    n=algo.fresh_per_question,
+                    temperature=algo.temperature,
+                    top_p=algo.top_p,
+                    max_tokens=algo.max_response_tokens,
+                    seed=step_seed(self.config.seed, step, round_index),
+                ),
+            )
+        with timer.phase("verify"):
+            items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
+            outcomes = iter(self.services.verifier.verify(items))
+            fresh = [
+                score_fresh(
+                    q.question_id,
+                    p,
+                    c,
+                    [next(outcomes) for _ in c.samples],
+                    algo,
+                    self.config.run_id,
+                    self.tokenizer.fingerprint,
+                )
+                for q, p, c in zip(questions, prompts, completions, strict=True)
+            ]
+        truncated = sum(p.truncated_tokens > 0 for p in prompts)
+        if truncated:
+            log.warning(
+                "%d of %d prompts were left-truncated to %d tokens",
+                truncated,
+                len(prompts),
+                self.tokenizer.max_prompt_tokens,
+            )
+        return Gathered(questions, prompts, fresh, prompts_truncated=truncated)
+
+    def _replay_count(self) -> int:
+        algo = self.config.algorithm
+        m = algo.replayed_per_question
+        if algo.max_replayed_fraction is not None and algo.max_replayed_fraction < 1:
+            # replayed / (G + replayed) <= cap  =>  replayed <= cap * G / (1 - cap)
+            cap = algo.max_replayed_fraction
+            m = min(m, int(cap * algo.fresh_per_question / (1 - cap)))
+        return m
+
+    def replayed(
+        self, step: int, gathered: Gathered, report: ReplayReport, timer: StepTimer
+    ) -> dict[str, list[Trajectory]]:
+        """Up to M stored successes per question, re-tokenised and scored like fresh samples; `report` says how many."""
+        algo, m = self.config.algorithm, self._replay_count()
+        if algo.replayed_per_question == 0:
+            return {}
+        report.requested = m * len(gathered.questions)
+        replayed: dict[str, list[Trajectory]] = {}
+        with timer.phase("replay"):
+            try:
+                sampled = self.services.replay.sample(
+                    self.config.replay_pool,
+                    [q.question_id for q in gathered.questions],
+                    m=m,
+                    strategy=algo.replay_strategy,
+                    seed=step_seed(self.config.seed + 7919, step),
+                )
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                report.dropped["pool_missing"] += report.requested
+                sampled = {}
+            prompts = {q.question_id: p for q, p in zip(gathered.questions, gathered.prompts, strict=True)}
+            replayed = prepare_replayed(sampled, prompts, self.tokenizer, report)
+        report.dropped["not_in_pool"] += report.requested - report.received - report.dropped["pool_missing"]
+        outcomes = None
+        if replayed and algo.reverify_replayed:
+            with timer.phase("verify"):
+                truths = {q.question_id: q.ground_truth for q in gathered.questions}
+                order = [(qid, t) for qid, group in replayed.items() for t in group]
+                results = iter(self.services.verifier.verify([(t.response_text, truths[qid]) for qid, t in order]))
+                outcomes = {qid: [next(results) for _ in group] for qid, group in replayed.items()}
+        replayed = score_replayed(replayed, outcomes, algo, report)
+        report.dropped = +report.dropped  # keep only reasons that happened
+        if report.used == 0:
+            message = (
+                f"replay is on (M={algo.replayed_per_question}) but step {step} got no replayed answer from pool "
+                f"{self.config.replay_pool!r}: {dict(report.dropped) or 'nothing returned'}"
+            )
+            if algo.require_replay:
+                raise ReplayMissingError(message)
+            log.warning(message)
+        return replayed

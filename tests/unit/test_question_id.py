@@ -1,0 +1,46 @@
+"""Question identity survives the relabelling real datasets do (data_source, whitespace, Unicode form)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlep_common.dataset import question_id
+from services.learner.data import load_questions
+from services.replay.parquet_io import read_pool_rows
+
+
+def test_id_ignores_data_source_whitespace_and_unicode_form():
+    base = [{"role": "user", "content": "Find $x$ if\n\n  $x^2 = 4$. Caf\u00e9"}]
+    rewrapped = [{"role": "User", "content": " Find $x$ if $x^2 = 4$.  Cafe\u0301\n"}]  # NFD é, other spacing
+    assert question_id(base) == question_id(rewrapped)
+    assert question_id(base) != question_id([{"role": "system", "content": base[0]["content"]}])
+    assert question_id(base) != question_id([{"role": "user", "content": "Find $y$ if $y^2 = 4$."}])
+
+
+def test_released_pool_spelling_matches_dapo17k_training_rows(tmp_path, shared_data):
+    """RLEP's pool says `dapo_math` where DAPO-17k says `DAPO-17k`: the same prompts must share ids."""
+    rows = pq.read_table(shared_data / "dapo_math_17k.parquet").slice(0, 40).to_pylist()
+    assert {r["data_source"] for r in rows} == {"DAPO-17k"}
+    released = [
+        {
+            "data_source": "dapo_math",
+            "prompt": r["prompt"],
+            "ability": "MATH",
+            "reward_model": {
+                "ground_truth": r["reward_model"]["ground_truth"],
+                "style": "rule-lighteval/MATH_v2",
+                "candidates": ["\\boxed{" + r["reward_model"]["ground_truth"] + "}"] * 2,
+            },
+            "extra_info": {"index": str(i)},
+        }
+        for i, r in enumerate(rows)
+    ]
+    pool_file = tmp_path / "pool.parquet"
+    pq.write_table(pa.Table.from_pylist(released), pool_file)
+    train_file = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), train_file)
+
+    training_ids = [q.question_id for q in load_questions([train_file])]
+    pool_ids = [q.question_id for chunk in read_pool_rows(pool_file, "p") for q in chunk.questions]
+    assert pool_ids == training_ids  # all 40 match, in order

@@ -1,0 +1,149 @@
+"""A step's inputs, as pure logic over scripted services: dynamic sampling's rounds and replay's accounting.
+
+The services here are tiny scripted stand-ins (what a question's answers are, whether the pool has
+it); the same code runs against the real services in tests/integration/test_learner_loop.py and
+test_pretrained_e2e.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+
+from rlep_common.tiny_model import ModelSpec, cached_model
+from rlep_common.types import FinishReason, Trajectory, Verdict
+from services.learner.config import TrainConfig
+from services.learner.data import DataCursor, Question
+from services.learner.experience import ReplayReport
+from services.learner.step_inputs import ReplayMissingError, Services, StepInputs, StepTimer
+from services.learner.tokens import PolicyTokenizer
+from services.rollout.types import Completion, SampleOut
+
+SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
+
+
+class ScriptedRollout:
+    """Answers question k (by its prompt's digits) correctly in the samples its script says."""
+
+    def __init__(self, correct_per_question: dict[str, int], tokenizer: PolicyTokenizer):
+        self.correct, self.tokenizer, self.calls = correct_per_question, tokenizer, 0
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        out = []
+        for ids in prompts:
+            key = self.tokenizer.decode(ids).split("Q: ")[-1].split("=")[0]
+            right = self.correct[key]
+            texts = ["right" if i < right else "wrong" for i in range(sampling.n)]
+            samples = [SampleOut([3, 4], t, [-0.1, -0.2], FinishReason.STOP, 1) for t in texts]
+            out.append(Completion(list(ids), samples))
+        return out
+
+
+class Outcome:
+    def __init__(self, correct: bool):
+        self.verdict = Verdict.CORRECT if correct else Verdict.WRONG
+        self.reward = 1.0 if correct else -1.0
+
+
+class ScriptedVerifier:
+    def verify(self, items):
+        return [Outcome(text.startswith("right") or text.startswith("\\boxed")) for text, _ in items]
+
+
+class ScriptedReplay:
+    def __init__(self, pool: dict[str, list[Trajectory]] | None):
+        self.pool = pool
+
+    def sample(self, pool, question_ids, m, strategy, seed):
+        if self.pool is None:
+            raise _NotFound()
+        return {qid: self.pool.get(qid, [])[:m] for qid in question_ids}
+
+
+class _NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    model = cached_model(SMALL, cache_dir=tmp_path_factory.mktemp("models"))
+    return PolicyTokenizer.load(model, max_prompt_tokens=64, max_response_tokens=16)
+
+
+def questions(n: int) -> list[Question]:
+    return [Question(f"q{i}", (("user", f"{i}+0=?"),), str(i)) for i in range(n)]
+
+
+def inputs(tokenizer, correct, replay=None, **algorithm) -> StepInputs:
+    config = TrainConfig.model_validate(
+        {
+            "algorithm": {
+                "questions_per_step": 2,
+                "fresh_per_question": 4,
+                "mini_batch_questions": 1,
+                "max_response_tokens": 16,
+                "overlong_buffer_tokens": 0,
+                **algorithm,
+            }
+        }
+    )
+    qs = questions(len(correct))
+    services = Services(
+        ScriptedRollout({f"{i}+0": c for i, c in enumerate(correct)}, tokenizer), ScriptedVerifier(), replay
+    )
+    return StepInputs(config, qs, DataCursor(len(qs), seed=0, shuffle=False), services, tokenizer)
+
+
+def test_without_dynamic_sampling_one_round_of_b_questions(tokenizer):
+    step = inputs(tokenizer, [4, 0, 2, 1], replayed_per_question=0)
+    gathered = step.gather(0, StepTimer())
+    assert [q.question_id for q in gathered.questions] == ["q0", "q1"]
+    assert (gathered.rounds, gathered.groups_filtered) == (1, 0)
+
+
+def test_dynamic_sampling_drops_constant_groups_and_generates_more(tokenizer):
+    # q0 all right, q1 all wrong, q2 and q4 mixed, q3 all wrong, q5 mixed: two rounds of 2 fill B=2 ... 3 rounds.
+    step = inputs(tokenizer, [4, 0, 2, 0, 1, 3], replayed_per_question=0, dynamic_sampling={"enabled": True})
+    gathered = step.gather(0, StepTimer())
+    assert [q.question_id for q in gathered.questions] == ["q2", "q4"]
+    assert (gathered.rounds, gathered.questions_generated, gathered.groups_filtered) == (3, 6, 3)
+    assert all(len(g) == 4 for g in gathered.fresh)
+
+
+def test_dynamic_sampling_stops_at_max_rounds_and_says_so(tokenizer, caplog):
+    step = inputs(tokenizer, [4, 0, 4, 0], replayed_per_question=0, dynamic_sampling={"enabled": True, "max_rounds": 2})
+    with caplog.at_level(logging.WARNING):
+        gathered = step.gather(0, StepTimer())
+    assert gathered.rounds == 2 and gathered.groups_filtered == 4
+    assert len(gathered.questions) == 2  # the last round's groups: zero advantage, but the step goes on
+    assert "kept 0 of 2 groups after 2 rounds" in caplog.text
+
+
+def test_replay_report_counts_what_the_pool_gave(tokenizer):
+    pool = {"q0": [Trajectory("q0", "\\boxed{0}", 1.0, verdict=Verdict.CORRECT)] * 2}
+    step = inputs(tokenizer, [1, 1], replay=ScriptedReplay(pool), replayed_per_question=2)
+    gathered = step.gather(0, StepTimer())
+    report = ReplayReport()
+    replayed = step.replayed(0, gathered, report, StepTimer())
+    assert list(replayed) == ["q0"] and len(replayed["q0"]) == 2
+    assert report.record()["replay_requested"] == 4
+    assert (report.received, report.used, report.retokenized) == (2, 2, 2)
+    assert dict(report.dropped) == {"not_in_pool": 2}
+
+
+@pytest.mark.parametrize("pool", [None, {}], ids=["pool-missing", "pool-empty"])
+def test_no_replay_at_all_warns_or_fails_when_required(tokenizer, caplog, pool):
+    step = inputs(tokenizer, [1, 1], replay=ScriptedReplay(pool), replayed_per_question=2)
+    gathered = step.gather(0, StepTimer())
+    with caplog.at_level(logging.WARNING):
+        report = ReplayReport()
+        assert step.replayed(0, gathered, report, StepTimer()) == {}
+    assert "got no replayed answer" in caplog.text
+    assert dict(report.dropped) == ({"pool_missing": 4} if pool is None else {"not_in_pool": 4})
+    strict = inputs(tokenizer, [1, 1], replay=ScriptedReplay(pool), replayed_per_question=2, require_replay=True)
+    with pytest.raises(ReplayMissingError, match="got no replayed answer"):
+        strict.replayed(0, strict.gather(0, StepTimer()), ReplayReport(), StepTimer())
