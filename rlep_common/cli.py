@@ -14,6 +14,7 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
+from rlep_common.model_import import model_app
 from rlep_common.pool_cli import pool_app
 
 app = typer.Typer(
@@ -24,6 +25,7 @@ proto_app = typer.Typer(help="Generate or check the gRPC stubs under proto/.", n
 app.add_typer(serve_app, name="serve")
 app.add_typer(proto_app, name="proto")
 app.add_typer(pool_app, name="pool")
+app.add_typer(model_app, name="model")
 
 
 class ServiceEntry(NamedTuple):

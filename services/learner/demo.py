@@ -141,7 +141,7 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     from services.learner.collect import CollectConfig, collect, push_checkpoint
     from services.learner.data import load_questions
     from services.learner.launch import LocalStack, init_ray
-    from services.learner.main import run_training
+    from services.learner.main import policy_tokenizer, run_training
     from services.learner.task import make_problems, write_parquet
     from services.learner.warmup import warmup
 
@@ -181,6 +181,7 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
                 run_id="demo-collect",
             ),
             show_progress=show_progress,
+            tokenizer=policy_tokenizer(final, baseline_config),
         )
         console.print(
             f"collected: {stats.questions_kept}/{stats.questions} questions kept, "

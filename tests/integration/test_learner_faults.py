@@ -45,7 +45,12 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     seed_pool(stack, config.replay_pool, rows)
     policy = RayPolicy(model_dir, config)
     trainer = Trainer(
-        config, model_dir, load_questions([tmp / "train.parquet"]), policy, services, policy_tokenizer(model_dir, config)
+        config,
+        model_dir,
+        load_questions([tmp / "train.parquet"]),
+        policy,
+        services,
+        policy_tokenizer(model_dir, config),
     )
     trainer.start()
     yield trainer, stack

@@ -1,12 +1,25 @@
-"""Collection's keep/drop rule with stand-in services (the real services run in test_learner_loop.py)."""
+"""Collection's keep/drop rule and its resume state, with stand-in services (real ones: test_learner_loop.py)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
+import pytest
+from typer.testing import CliRunner
+
+from rlep_common.cli import app
 from rlep_common.types import FinishReason, Verdict
-from services.learner.collect import CollectConfig, collect
-from services.learner.data import Question
+from services.learner.collect import (
+    CollectConfig,
+    StateMismatch,
+    collect,
+    default_state_file,
+    fingerprint,
+    load_state,
+    run_settings,
+)
+from services.learner.data import Question, load_questions
 from services.learner.trainer import Services
 from services.rollout.types import Completion, SampleOut
 
@@ -14,8 +27,10 @@ from services.rollout.types import Completion, SampleOut
 class Rollout:
     def __init__(self, texts: dict[str, list[str]]):
         self.texts = texts
+        self.prompts = 0
 
     def generate(self, prompts, sampling):
+        self.prompts += len(prompts)
         return [
             Completion(
                 [1, 2], [SampleOut([3, 4], t, [-0.1, -0.2], FinishReason.STOP, 7) for t in self.texts[p[0]["content"]]]
@@ -52,3 +67,106 @@ def test_questions_need_k_distinct_successes():
     assert (stats.questions, stats.questions_kept, stats.samples, stats.successes) == (3, 1, 9, 4)
     assert [t.response_text for t in replay.added] == ["ok a", "ok b"]  # q2's two successes are one answer
     assert all(t.prompt_token_ids == (1, 2) and t.policy_version == 7 for t in replay.added)
+
+
+TEXTS = {"q1": ["ok a", "ok b"], "q2": ["ok a", "no"], "q3": ["no", "no"]}
+QUESTIONS = [Question(q, (("user", q),), "1") for q in TEXTS]
+CONFIG = CollectConfig(samples_per_question=2, min_successes=1, questions_per_chunk=2)
+
+
+def run(state_file, config=CONFIG, questions=QUESTIONS, checkpoint=None):
+    services = Services(rollout=Rollout(TEXTS), verifier=Verifier(), replay=Replay())
+    stats = collect(services, questions, "p", config, state_file, show_progress=False, checkpoint=checkpoint)
+    return stats, services.rollout.prompts
+
+
+def checkpoint_dir(path, weights=b"w" * 8):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_rerun_with_the_same_settings_resumes(tmp_path):
+    ckpt = checkpoint_dir(tmp_path / "ckpt")
+    first, sampled = run(tmp_path / "state.json", checkpoint=ckpt)
+    assert (first.questions, first.chunks_done, sampled) == (3, 2, 3)
+    again, sampled_again = run(tmp_path / "state.json", checkpoint=ckpt)
+    assert again == first and sampled_again == 0  # nothing sampled twice
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"config": CONFIG.model_copy(update={"temperature": 1.0})}, "temperature 0.7 -> 1.0"),
+        ({"config": CONFIG.model_copy(update={"seed": 3})}, "seed 0 -> 3"),
+        ({"questions": QUESTIONS[:2]}, "questions"),
+        ({"checkpoint": "other"}, "checkpoint"),
+    ],
+)
+def test_a_state_of_other_settings_is_refused_naming_the_difference(tmp_path, change, named):
+    state = tmp_path / "state.json"
+    run(state, checkpoint=checkpoint_dir(tmp_path / "ckpt"))
+    saved = state.read_text()
+    kwargs = {"checkpoint": tmp_path / "ckpt", **change}
+    with pytest.raises(StateMismatch, match="other settings") as err:
+        run(state, **kwargs)
+    assert named in str(err.value)
+    assert state.read_text() == saved  # the other run's progress is kept
+
+
+def test_every_setting_and_the_checkpoint_change_the_fingerprint(tmp_path):
+    ckpt = checkpoint_dir(tmp_path / "ckpt")
+    base = fingerprint(run_settings(CONFIG, QUESTIONS, "p", ckpt))
+    changed = {"samples_per_question": 3, "temperature": 0.5, "top_p": 0.5, "max_response_tokens": 7}
+    changed |= {"min_successes": 2, "questions_per_chunk": 1, "seed": 1, "run_id": "x"}
+    assert changed.keys() == CollectConfig.model_fields.keys()  # a new field needs a line here
+    for field, value in changed.items():
+        config = CONFIG.model_copy(update={field: value})
+        assert fingerprint(run_settings(config, QUESTIONS, "p", ckpt)) != base, field
+    assert fingerprint(run_settings(CONFIG, QUESTIONS, "p2", ckpt)) != base
+    assert fingerprint(run_settings(CONFIG, QUESTIONS[::-1], "p", ckpt)) != base  # the order of questions too
+    assert fingerprint(run_settings(CONFIG, QUESTIONS, "p", ckpt)) == base
+    checkpoint_dir(ckpt, weights=b"w" * 9)  # the checkpoint was overwritten by another save
+    assert fingerprint(run_settings(CONFIG, QUESTIONS, "p", ckpt)) != base
+
+
+def test_default_state_files_are_per_settings(tmp_path):
+    settings = run_settings(CONFIG, QUESTIONS, "p", "ckpt")
+    other = run_settings(CONFIG.model_copy(update={"top_p": 0.5}), QUESTIONS, "p", "ckpt")
+    assert default_state_file("p", settings) == default_state_file("p", dict(settings))
+    assert default_state_file("p", settings) != default_state_file("p", other)
+    assert default_state_file("p", settings).name.startswith("p-")
+
+
+def test_a_state_without_settings_is_refused(tmp_path):
+    state = tmp_path / "old.json"
+    state.write_text(json.dumps({"questions": 3, "chunks_done": 2}))  # written before states had settings
+    with pytest.raises(StateMismatch, match="records no settings"):
+        load_state(state, run_settings(CONFIG, QUESTIONS, "p"))
+
+
+class ServicesStarted(Exception):
+    pass
+
+
+def test_cli_resumes_its_own_state_file_and_refuses_another_runs(tmp_path, monkeypatch):
+    from services.learner.config import TrainConfig
+    from services.learner.task import make_problems, write_parquet
+
+    data = write_parquet(make_problems(4, 0, "train"), tmp_path / "train.parquet")
+    ckpt = checkpoint_dir(tmp_path / "ckpt")
+    settings = run_settings(TrainConfig().collect, load_questions([data]), "p", ckpt)  # an earlier run's, defaults
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"chunks_done": 1, "fingerprint": fingerprint(settings), "settings": settings}))
+
+    def init_ray(*args):
+        raise ServicesStarted
+
+    monkeypatch.setattr("services.learner.launch.init_ray", init_ray)
+    args = ["collect", "--model", str(ckpt), "--data", str(data), "--pool", "p", "--state-file", str(state)]
+    same = CliRunner().invoke(app, args)
+    assert isinstance(same.exception, ServicesStarted) and "1 chunks done: resuming" in same.output
+    other = CliRunner().invoke(app, [*args, "--temperature", "0.9"])
+    assert other.exit_code == 2, other.output
+    assert "temperature 0.7 -> 0.9" in " ".join(other.output.replace("│", " ").split())
