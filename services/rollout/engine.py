@@ -69,6 +69,17 @@ def resolve_model(model: str) -> str:
 
 def engine_kwargs(config: EngineConfig) -> dict:
     """`vllm.LLM` keyword arguments from the config (engine-specific environment set too)."""
+    from vllm.platforms import current_platform
+
+    chunked_prefill = config.enable_chunked_prefill
+    if current_platform.is_cpu():
+        # vLLM-CPU kills the engine core when a seeded request's prefill is split across steps: the
+        # runner rewinds that request's torch.Generator offset (gpu_model_runner._bookkeeping_sync),
+        # which CPU generators lack. Unchunked, vLLM prefills each prompt in one step (budget >= max_model_len).
+        if chunked_prefill is None:
+            chunked_prefill = False
+        elif chunked_prefill:
+            log.warning("chunked prefill on the CPU build: a seeded request whose prefill is split kills the engine")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.kv_cache_space_gib:g}")
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
@@ -81,6 +92,8 @@ def engine_kwargs(config: EngineConfig) -> dict:
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
+        enable_chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         enforce_eager=config.enforce_eager,
         seed=config.seed,
         logprobs_mode=config.logprobs_mode,
