@@ -8,10 +8,12 @@ over the mixed group of G + M (eq. 1/5), and the policy is updated with DAPO's c
 Numerics follow verl (`compute_grpo_outcome_advantage`, `compute_policy_loss` with dual-clip, DAPO's
 overlong reward) so that results can be compared with the reference recipe. Departures:
 - `group_advantages` is vectorised (scatter over group ids) instead of verl's per-sample loop.
-- `policy_loss` accepts a `normalizer` so gradient accumulation over micro-batches reproduces the
-  gradient of the whole mini-batch exactly (verl divides each micro-batch by its own token count).
+- `policy_loss` accepts a `normalizer` (`mini_batch_normalizer`) so gradient accumulation over
+  micro-batches and data-parallel processes reproduces the gradient of the whole mini-batch exactly,
+  in every aggregation mode (verl divides each micro-batch by its own token or sequence count).
 - Sequences with an empty mask are left out of the `seq-mean-*` aggregations (verl yields NaN there).
 - `overlong_penalty` is clamped at `-penalty_factor` past `max_len`, as in the DAPO paper (eq. 13).
+- `warmup_lr` gives training step 0 the lr `lr / warmup_steps`, not 0 (verl and HF start at 0).
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ def aggregate_loss(per_token: Tensor, loss_mask: Tensor, agg: LossAgg, normalize
     - `seq-mean-token-sum`: mean over sequences of each sequence's token sum (Dr. GRPO style).
 
     `normalizer`, when given, replaces the denominator (the token count for `token-mean`, the number
-    of non-empty sequences otherwise). Pass the whole mini-batch's count to every micro-batch and
-    the accumulated gradient equals the gradient of the mini-batch in one piece.
+    of non-empty sequences otherwise). Pass `mini_batch_normalizer` of the whole mini-batch to every
+    micro-batch and the accumulated gradient equals the gradient of the mini-batch in one piece.
     """
     mask = loss_mask.to(per_token.dtype)
     if agg == "token-mean":
@@ -101,6 +103,32 @@ def aggregate_loss(per_token: Tensor, loss_mask: Tensor, agg: LossAgg, normalize
     non_empty = (tokens_per_seq > 0).to(per_token.dtype)
     denom = non_empty.sum().clamp(min=1) if normalizer is None else normalizer
     return (seq_values * non_empty).sum() / denom
+
+
+def mini_batch_normalizer(loss_mask: Tensor, agg: LossAgg, world_size: int = 1) -> float:
+    """The `normalizer` each process passes to `policy_loss` for its micro-batches of one mini-batch.
+
+    The mini-batch's own denominator in `aggregate_loss` (its unmasked token count for `token-mean`,
+    its number of non-empty sequences for `seq-mean-*`), divided by `world_size`: every process
+    divides its share of the loss numerator by it, and data parallelism averages the processes'
+    gradients, so the sum over micro-batches and the mean over processes is the gradient of the whole
+    mini-batch in one piece.
+
+    Args:
+        loss_mask: `[B, T]` the loss mask of the WHOLE mini-batch (every process's rows).
+        agg: the aggregation mode of the loss.
+        world_size: data-parallel processes sharing the mini-batch.
+
+    Returns:
+        A positive float (a mini-batch with nothing to train counts as 1, as `aggregate_loss` does).
+    """
+    if agg == "token-mean":
+        count = loss_mask.sum()
+    elif agg in LOSS_AGGREGATIONS:
+        count = (loss_mask.sum(dim=-1) > 0).sum()
+    else:
+        raise ValueError(f"agg must be one of {LOSS_AGGREGATIONS}, got {agg!r}")
+    return max(float(count.item()), 1.0) / world_size
 
 
 def policy_loss(
@@ -186,6 +214,18 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, buffer_len: int, pe
         return torch.where(lengths > max_len, -penalty_factor, 0.0).to(torch.float32)
     excess = (lengths - expected) / buffer_len
     return (-excess.clamp(min=0.0, max=1.0) * penalty_factor).to(torch.float32)
+
+
+def warmup_lr(training_step: int, lr: float, warmup_steps: int) -> float:
+    """Learning rate of 0-based `training_step`: linear warm-up over `warmup_steps` training steps, then `lr`.
+
+    Counted in training steps (one rollout batch, however many optimizer steps its mini-batches
+    make), as verl calls its scheduler once per training step. Step k gets `lr * min(1, (k+1) /
+    warmup_steps)`, so no step runs at lr 0 (verl's and HF's first step does).
+    """
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (training_step + 1) / warmup_steps)
 
 
 def flatten_groups(groups: Sequence[Group]) -> tuple[list[Trajectory], Tensor, Tensor]:

@@ -1,17 +1,26 @@
-"""Training tensors from mixed groups (pure torch): token layout, masks, advantages, mini/micro-batch splits.
+"""Training tensors from mixed groups (pure torch): token layout, masks, advantages, mini/micro-batch splits,
+and the per-token logprobs and entropy of a batch under the policy.
 
 Layout: each row is prompt + response token ids, right-padded to the batch's longest row. Position
 j of the `[N, L-1]` tensors scores token j+1 (the usual next-token shift), so `loss_mask[i, j]` is
 1 exactly where token j+1 of row i is a response token.
+
+Scores without a full-vocabulary tensor: `token_scores` applies the LM head to a chunk of positions
+at a time and reduces each chunk's float32 log-softmax to the target's logprob and the entropy
+before the next chunk, under activation checkpointing, so backward recomputes a chunk's logits
+instead of keeping them. Peak memory is a few `[chunk, V]` blocks instead of several `[N, L, V]`
+float32 copies (~20 GB each at 8 x 4096 tokens and a 151,936-token vocabulary). `ScoringModel` runs
+an HF causal LM that way; `token_logprobs` / `token_entropy` are the full-vocabulary reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from rlep_common.algorithm import flatten_groups, group_advantages
 from rlep_common.types import Group, Source
@@ -102,12 +111,125 @@ def micro_batches(rows: Tensor, micro_size: int) -> Iterator[Tensor]:
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """`[N, L, V]` logits and `[N, L]` tokens -> `[N, L-1]` log-probability of each next token."""
+    """`[N, L, V]` logits and `[N, L]` tokens -> `[N, L-1]` logprob of each next token (full-vocab reference)."""
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """`[N, L, V]` -> `[N, L-1]` entropy of the next-token distribution (no gradient needed)."""
+    """`[N, L, V]` -> `[N, L-1]` entropy of the next-token distribution (full-vocab reference, no gradient)."""
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return -(logprobs.exp() * logprobs).sum(-1)
+
+
+# Positions per chunk. A float32 `[1024, 151936]` block is 0.6 GB and a chunk's forward or backward
+# holds ~3 of them; the head's matmul stays large enough to run at full speed (and under ZeRO-3 each
+# chunk's head call re-gathers the head's weight unless DeepSpeed keeps it, so chunks should not be tiny).
+SCORE_CHUNK_POSITIONS = 1024
+
+
+def _chunk_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, with_entropy: bool):
+    """`[C, H]` inputs of the head and `[C]` targets -> (`[C]` logprobs, `[C]` entropy or None)."""
+    # The fused log_softmax is faster on CPU than logsumexp + subtraction, and is the reference's formula.
+    chunk_logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [C, V]
+    logprobs = chunk_logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():  # after the logprobs, so checkpointing's recompute stops before this part
+        # -sum(p * log p) as a batched dot product: no third [C, V] temporary.
+        entropy = -(chunk_logprobs.exp()[:, None, :] @ chunk_logprobs[:, :, None]).view(-1)
+    return logprobs, entropy
+
+
+def token_scores(
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    tokens: Tensor,
+    with_entropy: bool = True,
+    chunk_positions: int = SCORE_CHUNK_POSITIONS,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprob and entropy of every next token, `chunk_positions` positions at a time.
+
+    Values equal `token_logprobs(head(hidden), tokens)` and `token_entropy(head(hidden))`; the
+    gradient flows through the logprobs only. When a gradient is needed each chunk runs under
+    `torch.utils.checkpoint`, so only `hidden` is kept for backward.
+
+    Args:
+        hidden: `[N, L, H]` inputs of the head at every position (final hidden states; or the logits
+            themselves with `head` the identity).
+        head: maps `[C, H]` to `[C, V]` logits (an LM head module).
+        tokens: `[N, L]` token ids; position j is scored against token j+1.
+        with_entropy: also compute the entropy (detached); None in its place otherwise.
+
+    Returns:
+        `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`.
+    """
+    rows, length = tokens.shape
+    flat_hidden = hidden[:, :-1].reshape(rows * (length - 1), hidden.shape[-1])  # [N*(L-1), H]
+    targets = tokens[:, 1:].reshape(-1)  # [N*(L-1)]
+    logprobs, entropy = [], []
+    for start in range(0, targets.numel(), chunk_positions):
+        chunk = (head, flat_hidden[start : start + chunk_positions], targets[start : start + chunk_positions])
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_scores(*chunk, with_entropy)
+        logprobs.append(lp)
+        entropy.append(ent)
+    shape = (rows, length - 1)
+    return torch.cat(logprobs).view(shape), torch.cat(entropy).view(shape) if with_entropy else None
+
+
+# transformers model types whose logits are exactly `lm_head(decoder(...).last_hidden_state)`, and
+# config fields of others that transform logits after the head (Gemma's softcapping, Cohere's scale,
+# Granite's scaling): such models, and any type not listed, take the full-logits path.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def has_plain_lm_head(config) -> bool:
+    """Whether an HF config's logits are just `lm_head(hidden)`, so the head can be applied in chunks."""
+    return config.model_type in PLAIN_HEAD_MODEL_TYPES and all(
+        getattr(config, field, None) is None for field in LOGIT_TRANSFORM_FIELDS
+    )
+
+
+class ScoringModel(torch.nn.Module):
+    """An HF causal LM whose forward returns per-token logprobs and entropy instead of logits.
+
+    It is the module handed to DeepSpeed, so the whole computation happens inside the engine's
+    forward and the loss depends on the engine's outputs only: DeepSpeed starts its backward
+    bookkeeping from hooks on those outputs, and ZeRO-3 gathers the head's weight through the head's
+    own module hooks, chunk by chunk and again when backward recomputes a chunk.
+
+    Models with a plain LM head (`has_plain_lm_head`) run the decoder and `token_scores` over its
+    hidden states: full logits are never built. Others (softcapped or scaled logits) fall back to
+    the model's full logits, still reduced chunk by chunk without a float32 log-softmax copy of them.
+
+    `state_dict` / `load_state_dict` are the model's own, so checkpoints keep HF parameter names.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk_positions: int = SCORE_CHUNK_POSITIONS):
+        super().__init__()
+        self.model = model
+        self.chunk_positions = chunk_positions
+        self.plain_head = has_plain_lm_head(model.config)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """`[N, L]` ids and mask -> (`[N, L-1]` logprobs, `[N, L-1]` entropy or None); see `token_scores`."""
+        if self.plain_head:
+            decoder = self.model.get_decoder()
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            head = self.model.get_output_embeddings()
+        else:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            head = torch.nn.Identity()
+        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions)
+
+    def state_dict(self, *args, **kwargs):
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -75,7 +75,9 @@ class AlgorithmConfig(StrictModel):
 class OptimConfig(StrictModel):
     lr: float = Field(1e-6, gt=0)
     warmup_steps: int = Field(10, ge=0)
-    """Optimizer steps of linear warm-up (then constant, as in the recipe); 0 = the full lr from the first step."""
+    """TRAINING steps of linear warm-up, then constant (the recipe): training step k (0-based) uses
+    `lr * min(1, (k+1) / warmup_steps)` for every optimizer step of its mini-batches, as verl steps its
+    scheduler once per training step; unlike verl/HF no step runs at lr 0. 0 = the full lr throughout."""
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
@@ -86,9 +88,14 @@ class OptimConfig(StrictModel):
 class DeepSpeedConfig(StrictModel):
     zero_stage: int = Field(2, ge=0, le=3)
     dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype the model is loaded and trained in (bf16: DeepSpeed keeps float32 master weights);
+    pushed and saved weights are cast back to the starting checkpoint's dtype."""
     num_processes: int = Field(1, ge=1)
     """Data-parallel learner processes (Ray actors); gloo on CPU, NCCL on GPU."""
     offload_optimizer: bool = False
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing): less memory
+    per micro-batch for about one more forward pass of compute."""
 
 
 class CheckpointConfig(StrictModel):

@@ -2,16 +2,24 @@
 
 One `PolicyTrainer` per learner process. On this CPU machine kind DeepSpeed runs its CPU
 accelerator over gloo (1 or more processes); on GPUs the same code runs over NCCL. ZeRO stage,
-dtype, optimizer, warm-up and clipping come from the run's config.
+dtype, gradient checkpointing, optimizer, warm-up and clipping come from the run's config.
 
-Gradient accumulation is driven by hand: every micro-batch's loss is normalised by the token count
-of the whole mini-batch (`policy_loss(normalizer=...)`), DeepSpeed is told where the mini-batch
-ends (`set_gradient_accumulation_boundary`), so one optimizer step sees exactly the mini-batch's
-gradient however it was split.
+The engine's module is a `ScoringModel`: its forward returns per-token logprobs and entropy, with
+the LM head applied chunk by chunk, so no full-vocabulary float32 tensor is built per micro-batch.
+
+Gradient accumulation is driven by hand: every micro-batch's loss is normalised by the whole
+mini-batch's denominator, in every loss mode (`mini_batch_normalizer`: its token count for
+token-mean, its number of non-empty sequences for seq-mean-*), DeepSpeed is told where the
+mini-batch ends (`set_gradient_accumulation_boundary`), so one optimizer step sees exactly the
+mini-batch's gradient however it was split over micro-batches and processes.
+
+The lr is set by hand at the start of each `update` (one training step): linear warm-up counted in
+training steps (`warmup_lr`), so every mini-batch of a step shares one lr, as in verl.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -19,13 +27,32 @@ from typing import Any
 
 import torch
 
-from rlep_common.algorithm import policy_loss
-from services.learner.batch import ExperienceBatch, micro_batches, mini_batches, token_entropy, token_logprobs
+from rlep_common.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
+from services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
 from services.learner.config import TrainConfig
 from services.rollout.nccl import BroadcastGroup, NcclWeightSender, manifest
 from services.rollout.weights import TensorInfo
 
 log = logging.getLogger(__name__)
+
+TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Tokenizer files of an HF checkpoint, copied byte for byte into saved checkpoints: recent transformers
+# keeps the chat template in chat_template.jinja (older ones inside tokenizer_config.json). Re-saving
+# through AutoTokenizer instead rewrites what it resolved: the tiny model's tokenizer comes back as
+# Qwen2Tokenizer with an unk token it never had, and char-level vocabularies may come back garbled.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "additional_chat_templates",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "generation_config.json",
+)
 
 
 def deepspeed_config(config: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -55,18 +82,7 @@ def deepspeed_config(config: TrainConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if optim.warmup_steps > 0:
-        # WarmupLR gives optimizer step k the lr `lr * k / warmup_steps` (step 0 at 0, as HF's schedule);
-        # with no warm-up there is no scheduler at all, so even the first step gets the full lr.
-        config_dict["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": optim.lr,
-                "warmup_num_steps": optim.warmup_steps,
-                "warmup_type": "linear",
-            },
-        }
+    # No DeepSpeed scheduler: it counts optimizer steps, and warm-up counts training steps.
     return config_dict
 
 
@@ -90,27 +106,32 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 class PolicyTrainer:
     def __init__(self, model_dir: Path, config: TrainConfig, rank: int = 0, world_size: int = 1):
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(config.seed)
         self.config, self.rank, self.world_size = config, rank, world_size
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        ds = config.deepspeed
+        # Pushed weights must match the checkpoint the rollout workers loaded, dtype included. Read it
+        # from the config before loading: loading in another dtype rewrites `model.config.dtype`.
+        self.checkpoint_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TRAIN_DTYPES[ds.dtype])
+        if ds.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tied = bool(model.config.tie_word_embeddings)
-        # Pushed weights must match the checkpoint the rollout workers loaded, dtype included.
-        self.checkpoint_dtype = getattr(model.config, "dtype", None) or torch.float32
-        if isinstance(self.checkpoint_dtype, str):
-            self.checkpoint_dtype = getattr(torch, self.checkpoint_dtype)
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters()], config=deepspeed_config(config, world_size)
+        scorer = ScoringModel(model)  # forwards run with use_cache=False
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=scorer, model_parameters=list(scorer.parameters()), config=deepspeed_config(config, world_size)
         )
         self.shuffle = torch.Generator().manual_seed(config.seed + 1)
         self.optimizer_steps = 0
+        self.training_steps = 0  # `update` calls: the warm-up clock
         self._sender: NcclWeightSender | None = None  # GPU weight broadcast, created on first use
 
-    # -- forward passes ----------------------------------------------------------------------
-    def _forward(self, batch: ExperienceBatch) -> torch.Tensor:
-        return self.engine(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        return self.engine.module.model
 
+    # -- forward passes ----------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """`[N, L-1]` logprobs of every next token under the current weights (masked positions included)."""
@@ -118,73 +139,95 @@ class PolicyTrainer:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         for rows in micro_batches(torch.arange(batch.size), self.config.optim.micro_batch_size):
             sub = batch.select(rows)
-            out[rows, : sub.loss_mask.shape[1]] = token_logprobs(self._forward(sub), sub.tokens)
+            logprobs, _ = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False)
+            out[rows, : sub.loss_mask.shape[1]] = logprobs
         return out
 
     # -- update ------------------------------------------------------------------------------
     def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches of `batch` (which must carry old_logprobs)."""
+        """One training step: PPO epochs over shuffled mini-batches of `batch` (which must carry old_logprobs).
+
+        Returns the step's statistics: `loss` is the mean over its optimizer steps of each mini-batch's
+        loss (as computed on the mini-batch in one piece); `clip_fraction*`, `approx_kl` and `entropy`
+        are means over all response tokens seen; `lr` is the lr every optimizer step of it used.
+        """
         if batch.old_logprobs is None:
             raise ValueError("old logprobs must be computed before the update")
         algo = self.config.algorithm
+        lr = self._set_lr()
         self.engine.train()
-        sums = {"loss": 0.0, "clip_frac": 0.0, "clip_frac_lower": 0.0, "approx_kl": 0.0, "entropy": 0.0}
-        tokens_seen = 0.0
+        sums = dict.fromkeys(("loss", "clip_frac", "clip_frac_lower", "approx_kl", "entropy", "tokens"), 0.0)
         count = max(1, round(batch.size / rows_per_mini_batch))
+        steps = 0
         for _ in range(algo.ppo_epochs):
             for mini in mini_batches(batch.size, count, self.shuffle):
-                # Every process takes every world_size-th row; DeepSpeed averages gradients over
-                # processes, so each normalises by its share of the mini-batch's token count.
-                normalizer = (float(batch.loss_mask[mini].sum().item()) or 1.0) / self.world_size
-                micros = self._my_micro_batches(mini)
-                for i, (rows, weight_scale) in enumerate(micros):
-                    sub = batch.select(rows)
-                    logits = self._forward(sub)
-                    new = token_logprobs(logits, sub.tokens)
-                    loss, stats = policy_loss(
-                        new,
-                        sub.old_logprobs,
-                        sub.advantages,
-                        sub.loss_mask,
-                        clip_low=algo.clip_low,
-                        clip_high=algo.clip_high,
-                        clip_c=algo.clip_c,
-                        agg=algo.loss_agg,
-                        normalizer=normalizer if algo.loss_agg == "token-mean" else None,
-                    )
-                    self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
-                    self.engine.backward(loss * weight_scale, scale_wrt_gas=False)
-                    self.engine.step()
-                    weight = float(sub.loss_mask.sum().item()) * weight_scale
-                    tokens_seen += weight
-                    sums["loss"] += loss.item() * normalizer * weight_scale
-                    for key in ("clip_frac", "clip_frac_lower", "approx_kl"):
-                        sums[key] += stats[key] * weight
-                    with torch.no_grad():
-                        entropy = token_entropy(logits.detach())
-                        sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
-                self.optimizer_steps += 1
-        sums, tokens_seen = self._sum_over_processes(sums, tokens_seen)
-        tokens_seen = tokens_seen or 1.0
+                self._train_mini_batch(batch, mini, sums)
+                steps += 1
+        self.training_steps += 1
+        sums = self._sum_over_processes(sums)
+        tokens = sums["tokens"] or 1.0
         return {
-            "loss": sums["loss"] / tokens_seen,
-            "clip_fraction": sums["clip_frac"] / tokens_seen,
-            "clip_fraction_dual": sums["clip_frac_lower"] / tokens_seen,
-            "approx_kl": sums["approx_kl"] / tokens_seen,
-            "entropy": sums["entropy"] / tokens_seen,
-            "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.config.optim.lr,
+            "loss": sums["loss"] / steps,
+            "clip_fraction": sums["clip_frac"] / tokens,
+            "clip_fraction_dual": sums["clip_frac_lower"] / tokens,
+            "approx_kl": sums["approx_kl"] / tokens,
+            "entropy": sums["entropy"] / tokens,
+            "lr": lr,
             "optimizer_steps": float(self.optimizer_steps),
         }
 
-    def _sum_over_processes(self, sums: dict[str, float], tokens: float) -> tuple[dict[str, float], float]:
+    def _set_lr(self) -> float:
+        """Sets this training step's warm-up lr on every parameter group; returns it as the optimizer holds it."""
+        optim = self.config.optim
+        lr = warmup_lr(self.training_steps, optim.lr, optim.warmup_steps)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return float(self.engine.get_lr()[0])
+
+    def _train_mini_batch(self, batch: ExperienceBatch, mini: torch.Tensor, sums: dict[str, float]) -> None:
+        """Accumulates this process's share of one mini-batch's gradient, then takes one optimizer step.
+
+        Adds to `sums` this process's share of the mini-batch's loss (the shares of all processes
+        add up to the loss of the mini-batch in one piece) and token-weighted sums of the statistics.
+        """
+        algo = self.config.algorithm
+        normalizer = mini_batch_normalizer(batch.loss_mask[mini], algo.loss_agg, self.world_size)
+        micros = self._my_micro_batches(mini)
+        for i, (rows, weight_scale) in enumerate(micros):
+            sub = batch.select(rows)
+            new, entropy = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask)
+            loss, stats = policy_loss(
+                new,
+                sub.old_logprobs,
+                sub.advantages,
+                sub.loss_mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                clip_c=algo.clip_c,
+                agg=algo.loss_agg,
+                normalizer=normalizer,
+            )
+            self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
+            self.engine.backward(loss * weight_scale, scale_wrt_gas=False)
+            self.engine.step()
+            weight = float(sub.loss_mask.sum().item()) * weight_scale
+            sums["tokens"] += weight
+            # Each micro-batch's loss is its part of the mini-batch's loss times world_size.
+            sums["loss"] += loss.item() * weight_scale / self.world_size
+            for key in ("clip_frac", "clip_frac_lower", "approx_kl"):
+                sums[key] += stats[key] * weight
+            sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
+        self.optimizer_steps += 1
+
+    def _sum_over_processes(self, sums: dict[str, float]) -> dict[str, float]:
         """Each process saw its share of the rows: the step's statistics are sums over all processes."""
         if self.world_size == 1:
-            return sums, tokens
+            return sums
         import torch.distributed as dist
 
-        totals = torch.tensor([*sums.values(), tokens], dtype=torch.float64)
+        totals = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(totals)
-        return dict(zip(sums, totals[:-1].tolist(), strict=True)), float(totals[-1])
+        return dict(zip(sums, totals.tolist(), strict=True))
 
     def _my_micro_batches(self, mini: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """This process's rows of a mini-batch as (rows, loss scale) micro-batches.
@@ -201,7 +244,7 @@ class PolicyTrainer:
     # -- weights and checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names in the checkpoint's dtype (every rank must call it under ZeRO-3)."""
-        module = self.engine.module
+        module = self.hf_model
         if self.config.deepspeed.zero_stage == 3:
             import deepspeed
 
@@ -214,17 +257,18 @@ class PolicyTrainer:
         return {k: v.to(self.checkpoint_dtype) for k, v in state.items()}
 
     def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        """An HF checkpoint (weights + config + tokenizer) loadable by vLLM and transformers."""
-        import shutil
-
+        """An HF checkpoint (weights + config + `tokenizer_dir`'s tokenizer files) loadable by vLLM and transformers."""
         state = self.state_dict()
         if self.rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if (tokenizer_dir / name).exists():
-                shutil.copy(tokenizer_dir / name, out_dir / name)
+        self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        # save_pretrained writes the module's (training) dtype into config.json; the weights it saved
+        # are in the checkpoint's dtype, and vLLM's `dtype: auto` reads the config.
+        config = copy.deepcopy(self.hf_model.config)
+        config.dtype = self.checkpoint_dtype
+        config.save_pretrained(out_dir)
+        copy_tokenizer_files(tokenizer_dir, out_dir)
 
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
@@ -234,6 +278,7 @@ class PolicyTrainer:
         if client_state is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         self.optimizer_steps = int(client_state.get("optimizer_steps", 0))
+        self.training_steps = int(client_state.get("training_steps", 0))
         if "shuffle_rng" in client_state:
             self.shuffle.set_state(client_state["shuffle_rng"])
         return client_state
@@ -255,4 +300,28 @@ class PolicyTrainer:
         self._sender.broadcast(state)
 
     def rng_state(self) -> dict[str, Any]:
-        return {"optimizer_steps": self.optimizer_steps, "shuffle_rng": self.shuffle.get_state()}
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "training_steps": self.training_steps,
+            "shuffle_rng": self.shuffle.get_state(),
+        }
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype:
+    """The dtype an HF config says its weights are stored in (float32 when it does not say)."""
+    dtype = getattr(hf_config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
+    """Copies every tokenizer file (`TOKENIZER_FILES`) of checkpoint `source` into `target`; returns their names."""
+    import shutil
+
+    copied = []
+    for path in sorted({p for pattern in TOKENIZER_FILES for p in source.glob(pattern)}):
+        if path.is_dir():
+            shutil.copytree(path, target / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copy(path, target / path.name)
+        copied.append(path.name)
+    return copied

@@ -212,3 +212,27 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
     assert json.loads(state.read_text())["chunks_done"] == 2
     again = collect(loop_stack.services, questions, pool, config, state_file=state, show_progress=False)
     assert again.samples == 24  # resumed past the finished chunks: nothing sampled twice
+
+
+def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
+    """RLEP's released training file (reward_model.candidates, text only) works as is: `rlep train` imports it."""
+    from services.learner.main import run_training
+    from services.learner.pool_seed import seed_pool_from_candidates
+
+    rows = arithmetic_parquet(tmp_path / "plain.parquet", 8, seed=7)
+    for row in rows:
+        truth = row["reward_model"]["ground_truth"]
+        row["reward_model"]["candidates"] = [f"\\boxed{{{truth}}}", f"so \\boxed{{{truth}}}"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "with-pool.parquet")
+    config = train_config(tmp_path, tmp_path / "with-pool.parquet").model_copy(update={"steps": 1})
+    replay = loop_stack.services.replay
+    assert config.replay_pool not in replay.list_pools()
+
+    records = run_training(config, stack=loop_stack, show_progress=False)
+
+    algo = config.algorithm
+    requested = algo.questions_per_step * algo.replayed_per_question
+    assert (records[0]["replay_used"], records[0]["replay_retokenized"]) == (requested, requested)
+    assert replay.stats(config.replay_pool).trajectories == 2 * len(rows)
+    assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "with-pool.parquet"]) == 0  # idempotent
+    assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "plain.parquet"]) == 0  # no candidates

@@ -1,4 +1,5 @@
-"""The DeepSpeed learner on Ray actors: one update is the same update whatever the ZeRO stage or process count.
+"""The DeepSpeed learner on Ray actors: one update is the same update whatever the ZeRO stage, process
+count or gradient checkpointing; the lr warm-up counts training steps; saved checkpoints keep the tokenizer.
 
 Each case runs `RayPolicy` (DeepSpeed over gloo on CPU) on the same batch of mixed groups: old
 logprobs, then two PPO mini-batches with DAPO's loss (AdamW, no warm-up), then the full weights.
@@ -9,6 +10,9 @@ report the reference's statistics.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +21,9 @@ from services.learner.batch import ExperienceBatch, build_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CASES = [(0, 1), (2, 2), (3, 2)]  # (ZeRO stage, processes); the first is the reference
+# (ZeRO stage, processes, gradient checkpointing); the first is the reference
+CASES = [(0, 1, False), (2, 2, False), (3, 2, False), (3, 2, True)]
+LR = 1e-3
 
 
 def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
@@ -45,7 +51,7 @@ def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
     return build_batch(groups, pad_id)
 
 
-def run_update(model_dir, batch: ExperienceBatch, stage: int, processes: int):
+def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, **deepspeed):
     from services.learner.config import TrainConfig
     from services.learner.launch import RayPolicy
 
@@ -53,28 +59,48 @@ def run_update(model_dir, batch: ExperienceBatch, stage: int, processes: int):
         {
             "seed": 11,
             "algorithm": {"questions_per_step": 4, "mini_batch_questions": 2},
-            "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0, "micro_batch_size": 3},
-            "deepspeed": {"zero_stage": stage, "num_processes": processes},
+            "optim": {"lr": LR, "warmup_steps": warmup_steps, "weight_decay": 0.0, "micro_batch_size": 3},
+            "deepspeed": {"zero_stage": stage, "num_processes": processes, **deepspeed},
             "local": {"learner_cpus": 0.5},
         }
     )
-    policy = RayPolicy(model_dir, config)
+    return RayPolicy(model_dir, config)
+
+
+def run_update(model_dir, batch: ExperienceBatch, case: tuple[int, int, bool], hf_dir: Path | None = None):
+    stage, processes, checkpointing = case
+    policy = start_policy(model_dir, stage, processes, gradient_checkpointing=checkpointing)
     try:
         initial = policy.state_dict()
         with_old = batch.with_old_logprobs(policy.logprobs(batch))
         stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
+        if hf_dir is not None:
+            policy.save_hf(hf_dir, model_dir)
         return initial, with_old.old_logprobs, stats, policy.state_dict()
     finally:
         policy.close()
 
 
 @pytest.fixture(scope="module")
-def updates(ray_local):
+def model_dir():
     from rlep_common.tiny_model import cached_model
 
-    model_dir = cached_model("tiny")
-    batch = synthetic_batch(vocab=100, pad_id=0)
-    return {case: run_update(model_dir, batch, *case) for case in CASES}
+    return cached_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def batch() -> ExperienceBatch:
+    return synthetic_batch(vocab=100, pad_id=0)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def updates(ray_local, model_dir, batch, hf_dir):
+    return {case: run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES}
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -82,7 +108,7 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference:
     return diff / sum(float(reference[k].pow(2).sum()) for k in reference) ** 0.5
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"zero{c[0]}-x{c[1]}")
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"zero{c[0]}-x{c[1]}" + ("-ckpt" if c[2] else ""))
 def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
     ref_initial, ref_old, ref_stats, ref_final = updates[CASES[0]]
     initial, old, stats, final = updates[case]
@@ -105,4 +131,90 @@ def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(up
     # No warm-up: the first of the two Adam steps already uses the full lr (~lr per weight per step).
     largest = max(float((final[k] - initial[k]).abs().max()) for k in final)
     assert 1.5e-3 < largest < 2.1e-3
-    assert stats["lr"] == pytest.approx(1e-3)
+    assert stats["lr"] == pytest.approx(LR)
+
+
+def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ray_local, model_dir, batch, tmp_path):
+    """warmup_steps=4: training steps 0..4 run at lr/4, lr/2, 3lr/4, lr, lr with 1 or 4 mini-batches each."""
+    mini_batches = [1, 4, 1, 4, 1]
+    policy = start_policy(model_dir, warmup_steps=4)
+    try:
+        initial = policy.state_dict()
+        with_old = batch.with_old_logprobs(policy.logprobs(batch))
+        stats = []
+        for step, count in enumerate(mini_batches):
+            stats.append(policy.update(with_old, rows_per_mini_batch=batch.size // count))
+            if step == 0:
+                # Adam's first step moves each weight by ~its lr: the lr really was lr/4.
+                first = policy.state_dict()
+                assert max(float((first[k] - initial[k]).abs().max()) for k in first) == pytest.approx(LR / 4, rel=0.05)
+            if step == 1:
+                policy.save_checkpoint(tmp_path, "step_2", policy.rng_state())
+    finally:
+        policy.close()
+    assert [s["lr"] for s in stats] == pytest.approx([LR / 4, LR / 2, 3 * LR / 4, LR, LR])
+    assert [s["optimizer_steps"] for s in stats] == [1, 5, 6, 10, 11]
+
+    resumed = start_policy(model_dir, warmup_steps=4)
+    try:
+        resumed.load_checkpoint(tmp_path, "step_2")
+        after = resumed.update(with_old, rows_per_mini_batch=batch.size)
+    finally:
+        resumed.close()
+    assert after["lr"] == pytest.approx(3 * LR / 4) and after["optimizer_steps"] == 6
+
+
+def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir, batch):
+    _, ref_old, _, _ = updates[CASES[0]]
+    policy = start_policy(model_dir, dtype="bf16")
+    try:
+        old = policy.logprobs(batch)
+        policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size // 2)
+        state = policy.state_dict()
+    finally:
+        policy.close()
+    assert all(v.dtype == torch.float32 for v in state.values())  # the tiny checkpoint is float32
+    assert all(torch.equal(v, v.bfloat16().float()) for v in state.values())  # held in bf16 while training
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(old[mask], ref_old[mask], atol=0.05, rtol=0.0)
+
+
+def test_saved_checkpoint_keeps_tokenizer_and_chat_template(updates, model_dir, hf_dir):
+    from transformers import AutoTokenizer
+
+    assert (hf_dir / "chat_template.jinja").exists()
+    assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
+    source, saved = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(hf_dir)
+    assert saved.chat_template == source.chat_template is not None
+    chat = [{"role": "user", "content": "What is 23+58?"}]
+    rendered = saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == source.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = rendered + "\\boxed{81}\nTabs\tand (symbols) ~!@#"
+    assert saved.encode(text) == source.encode(text)
+    assert saved.decode(saved.encode(text)) == source.decode(source.encode(text))
+
+
+def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_path):
+    from services.learner.policy import copy_tokenizer_files
+
+    source, target = tmp_path / "source", tmp_path / "target"
+    tokenizer_files = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+        "generation_config.json",
+        "additional_chat_templates/tool_use.jinja",
+    ]
+    for name in [*tokenizer_files, "config.json", "model.safetensors", "rlep_model_spec.json"]:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(name)
+    target.mkdir()
+    copy_tokenizer_files(source, target)
+    copied = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
+    assert copied == set(tokenizer_files)
+    assert all((target / name).read_text() == name for name in tokenizer_files)

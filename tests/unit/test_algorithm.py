@@ -1,11 +1,11 @@
-"""Algorithm core: hand-computed values, verl reference, micro-batch invariance, mixed-group baselines."""
+"""Algorithm core: hand-computed values, verl reference, micro-batch invariance, mixed-group baselines, lr warm-up."""
 
 import math
 
 import pytest
 import torch
 
-from rlep_common.algorithm import flatten_groups, group_advantages, overlong_penalty, policy_loss
+from rlep_common.algorithm import flatten_groups, group_advantages, overlong_penalty, policy_loss, warmup_lr
 from rlep_common.types import Group, Source, Trajectory
 
 
@@ -171,3 +171,9 @@ def test_overlong_penalty_without_buffer_is_a_step_and_checks_args():
     torch.testing.assert_close(overlong_penalty(torch.tensor([19, 20, 21]), 20, 0, 1.0), torch.tensor([0.0, 0.0, -1.0]))
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(torch.tensor([1]), max_len=4, buffer_len=8, penalty_factor=1.0)
+
+
+def test_warmup_lr_is_linear_in_training_steps_and_never_zero():
+    assert [warmup_lr(k, 1.0, warmup_steps=4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_lr(0, 3e-6, warmup_steps=1) == 3e-6
+    assert warmup_lr(0, 3e-6, warmup_steps=0) == 3e-6  # no warm-up: the full lr from the first step
