@@ -99,7 +99,8 @@ def test_verifier_worker_crash_mid_step_costs_nothing(fault_setup):
         """The real client; the worker process is killed just as this step's batch goes out to it."""
 
         def verify(self, items):
-            os.kill(pids[0], signal.SIGKILL)
+            if not seen:  # the step's first call (fresh samples; replayed answers are verified next)
+                os.kill(pids[0], signal.SIGKILL)
             outcomes = real.verify(items)
             seen.append((len(items), outcomes))
             return outcomes
@@ -109,8 +110,8 @@ def test_verifier_worker_crash_mid_step_costs_nothing(fault_setup):
         record = trainer.train_step()
     finally:
         trainer.services.verifier = real
-    [(count, outcomes)] = seen
-    assert len(outcomes) == count == 64
-    assert not [o for o in outcomes if o.verdict == Verdict.ERROR]
-    assert record["sequences"] == 80
+    (count, outcomes), (replayed_count, replayed_outcomes) = seen
+    assert len(outcomes) == count == 64 and len(replayed_outcomes) == replayed_count == 16
+    assert not [o for o in outcomes + replayed_outcomes if o.verdict == Verdict.ERROR]
+    assert record["sequences"] == 80 and record["replay_used"] == 16
     assert ray.get(stack.actor("verifier").pids.remote()) != pids  # the dead worker was replaced
