@@ -57,7 +57,8 @@ def main() -> None:
     started = time.perf_counter()
     policy = PolicyTrainer(args.model, config)
     load_s = time.perf_counter() - started
-    vocab = policy.engine.module.config.vocab_size
+    module = policy.engine.module
+    vocab = (module.config if hasattr(module, "config") else module.model.config).vocab_size  # older: the HF model
     generator = torch.Generator().manual_seed(0)
     prompt = 120
     rows = [
