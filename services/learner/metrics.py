@@ -17,6 +17,22 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward_mean": ("rlep_learner_reward_mean", "Mean reward of the step's fresh samples (shaping included)"),
     "fresh_accuracy": ("rlep_learner_fresh_accuracy", "Fraction of the step's fresh samples verified correct"),
     "replayed_fraction": ("rlep_learner_replayed_fraction", "Replayed responses / all responses trained on"),
+    "replay_requested": ("rlep_learner_replay_requested", "Replayed answers asked for in the last step (B x M)"),
+    "replay_used": ("rlep_learner_replay_used", "Replayed answers trained on in the last step"),
+    "replay_retokenized": (
+        "rlep_learner_replay_retokenized",
+        "Replayed answers of the last step re-tokenised with the policy's tokenizer (text only or another tokenizer)",
+    ),
+    "replay_failed_verification": (
+        "rlep_learner_replay_failed_verification",
+        "Replayed answers of the last step that this run's verifier did not find correct",
+    ),
+    "prompts_truncated": ("rlep_learner_prompts_truncated", "Prompts left-truncated to max_prompt_tokens last step"),
+    "generation_rounds": ("rlep_learner_generation_rounds", "Generation rounds of the last step (dynamic sampling)"),
+    "groups_filtered": (
+        "rlep_learner_groups_filtered",
+        "Groups dropped by dynamic sampling last step (all rewards equal)",
+    ),
     "advantage_mean": ("rlep_learner_advantage_mean", "Mean advantage over the step's responses"),
     "advantage_std": ("rlep_learner_advantage_std", "Std of the advantages over the step's responses"),
     "clip_fraction": ("rlep_learner_clip_fraction", "Fraction of tokens whose ratio was clipped"),
