@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -224,9 +225,10 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
         truth = row["reward_model"]["ground_truth"]
         row["reward_model"]["candidates"] = [f"\\boxed{{{truth}}}", f"so \\boxed{{{truth}}}"]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "with-pool.parquet")
-    config = train_config(tmp_path, tmp_path / "with-pool.parquet").model_copy(update={"steps": 1})
+    pool = f"candidates-{uuid.uuid4().hex[:12]}"  # the CI Redis outlives test runs
+    config = train_config(tmp_path, tmp_path / "with-pool.parquet").model_copy(update={"steps": 1, "replay_pool": pool})
     replay = loop_stack.services.replay
-    assert config.replay_pool not in replay.list_pools()
+    assert pool not in replay.list_pools()
 
     records = run_training(config, stack=loop_stack, show_progress=False)
 
@@ -236,3 +238,4 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     assert replay.stats(config.replay_pool).trajectories == 2 * len(rows)
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "with-pool.parquet"]) == 0  # idempotent
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "plain.parquet"]) == 0  # no candidates
+    replay.drop(pool, confirm=pool)
