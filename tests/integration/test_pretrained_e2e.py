@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -70,7 +71,7 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     from services.learner.tokens import PolicyTokenizer
     from services.rollout.client import RolloutClient
 
-    pool = f"pretrained-{tmp_path.name}"
+    pool = f"pretrained-{uuid.uuid4().hex[:12]}"  # the CI Redis outlives test runs
     train_file = tmp_path / "dapo17k.parquet"
     pq.write_table(pa.Table.from_pylist(dapo_rows), train_file)
     released = [
