@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import importlib.util
 import json
 import os
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from rlep_common.files import sha256_file
 
 PROVENANCE_FILE = "rlep-import.json"
 GGUF_MAGIC = b"GGUF"
@@ -75,14 +76,6 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
         raise ImportRefused(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise ImportRefused(f"{out_dir} exists and is not empty; pass --force to replace it")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _require_gguf_support() -> None:

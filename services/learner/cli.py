@@ -16,12 +16,15 @@ SetOpt = Annotated[
 RayOpt = Annotated[str | None, typer.Option("--ray-address", help="Join this Ray cluster instead of starting one.")]
 
 
-def load_train_config(config: Path | None, sets: list[str] | None):
+def load_train_config(config: Path | None, sets: list[str] | None, flags: dict | None = None):
+    """defaults < file < env < --set < `flags` (dotted paths of named options; None = not given)."""
     from rlep_common.config import load_config, parse_override
     from services.learner.config import TrainConfig
 
     try:
-        return load_config(TrainConfig, config, dict(parse_override(s) for s in sets or []), env_prefix="train")
+        overrides = dict(parse_override(s) for s in sets or [])
+        overrides.update({key: value for key, value in (flags or {}).items() if value is not None})
+        return load_config(TrainConfig, config, overrides, env_prefix="train")
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 
@@ -52,15 +55,7 @@ def train(
 
 def _collect_config(config: Path | None, sets: list[str] | None, flags: dict):
     """The TrainConfig `rlep collect` runs with: defaults < file < env < --set < the named flags."""
-    from rlep_common.config import load_config, parse_override
-    from services.learner.config import TrainConfig
-
-    try:
-        overrides = dict(parse_override(s) for s in sets or [])
-        overrides.update({key: value for key, value in flags.items() if value is not None})
-        resolved = load_config(TrainConfig, config, overrides, env_prefix="train")
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
+    resolved = load_train_config(config, sets, flags)
     if not resolved.data.train_files:
         raise typer.BadParameter("no training questions: pass --data or set data.train_files in the --config file")
     missing = [str(path) for path in resolved.data.train_files if not path.exists()]
@@ -138,7 +133,6 @@ def collect(
         tokenizer = PolicyTokenizer.load(
             model_dir, train_config.data.max_prompt_tokens, collect_config.max_response_tokens
         )
-        tokenizer.fit_model_length(min(status.max_model_len for status in services.rollout.status()))
         stats = run_collect(
             services,
             questions,

@@ -128,6 +128,8 @@ def collect(
     """
     settings = run_settings(config, questions, pool, checkpoint)
     stats = load_state(state_file, settings)
+    if tokenizer is not None:  # prompt + max_response_tokens must fit every replica's model
+        tokenizer.fit_model_length(services.rollout.max_model_len())
     chunks = [
         questions[i : i + config.questions_per_chunk] for i in range(0, len(questions), config.questions_per_chunk)
     ]

@@ -141,7 +141,10 @@ def prepare_replayed(
 
 
 def score_replayed(
-    replayed: dict[str, list[Trajectory]], outcomes: dict[str, Sequence] | None, algo: AlgorithmConfig, report
+    replayed: dict[str, list[Trajectory]],
+    outcomes: dict[str, Sequence] | None,
+    algo: AlgorithmConfig,
+    report: ReplayReport,
 ) -> dict[str, list[Trajectory]]:
     """Rewards of replayed answers: this run's verifier outcome (or the stored reward) plus overlong shaping."""
     scored: dict[str, list[Trajectory]] = {}

@@ -100,8 +100,7 @@ class Trainer:
             log.info("resumed at step %d (cursor %s)", self.step, state["cursor"])
         # Versions only grow per deployment: start above whatever the replicas serve now.
         self.version = max(self.services.rollout.versions()) + 1
-        model_len = min(status.max_model_len for status in self.services.rollout.status())
-        self.tokenizer.fit_model_length(model_len)
+        self.tokenizer.fit_model_length(self.services.rollout.max_model_len())
         log.info("prompts are left-truncated to %d tokens", self.tokenizer.max_prompt_tokens)
         self.push_weights()
         if self.step == 0 and self.eval_questions and self.config.eval.every_steps:

@@ -218,6 +218,10 @@ class RolloutClient:
         """Policy versions of the replicas that answer."""
         return [s.policy_version for _, s in self.check() if s is not None]
 
+    def max_model_len(self) -> int:
+        """Prompt + response tokens every replica accepts (the smallest replica's limit)."""
+        return min(s.max_model_len for s in self.status())
+
     def push_weights(
         self,
         state_dict: Mapping[str, torch.Tensor],

@@ -19,13 +19,14 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep_common.files import sha256_file
 from rlep_common.grpc_utils import check_request_size, reject_unknown_fields
 from rlep_common.wire import FINISH_TO_PROTO
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import RolloutEngine, VersionError
 from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest
 from services.rollout.types import Generation, Sampling
-from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header, sha256_file
+from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"]
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

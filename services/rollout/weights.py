@@ -7,7 +7,6 @@ and nothing is ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
@@ -16,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from rlep_common.files import sha256_file
+
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
-HASH_BLOCK_BYTES = 8 * 1024 * 1024
 
 
 class WeightError(ValueError):
@@ -103,14 +103,6 @@ class WeightSpec:
                 problems.append(f"{name}: dtype {got.dtype}, expected {want.dtype}")
         if problems:
             raise WeightError("weights do not fit the model: " + "; ".join(problems[:8]))
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(HASH_BLOCK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_state_dict(state_dict: dict[str, torch.Tensor]) -> dict:
