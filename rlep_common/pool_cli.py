@@ -26,14 +26,14 @@ def _client(address: str, token_file: Path | None):
 
 
 @contextlib.contextmanager
-def _rpc_errors_exit() -> Iterator[None]:
-    """Turns a failed RPC into a one-line message and exit code 1 instead of a traceback."""
+def _rpc_errors_exit(hint: str = "") -> Iterator[None]:
+    """Turns a failed RPC into a one-line message (and `hint`) and exit code 1 instead of a traceback."""
     import grpc
 
     try:
         yield
     except grpc.RpcError as err:
-        typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+        typer.echo(f"error: {err.code().name}: {err.details()}{hint}", err=True)
         raise typer.Exit(1) from None
 
 
@@ -86,14 +86,17 @@ def import_pool(
     address: AddressOpt = DEFAULT_ADDRESS,
     auth_token_file: TokenOpt = None,
 ) -> None:
-    """Load RLEP's released pool format (reward_model.candidates) as successes."""
+    """Load RLEP's released pool format (reward_model.candidates) as successes; re-running an interrupted import
+    completes it (chunks are applied one by one, and adds are idempotent)."""
     import pyarrow.parquet as pq
     from rich.progress import Progress
 
     from services.replay.parquet_io import ROW_BATCH, read_pool_rows
 
     rows = pq.ParquetFile(path).metadata.num_rows
-    with _rpc_errors_exit(), Progress() as progress, _client(address, auth_token_file) as client:
+    # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
+    hint = "\nthe chunks sent before the error are stored; run the same import again to complete it"
+    with _rpc_errors_exit(hint), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"importing {path.name}", total=rows)
 
         def chunks():

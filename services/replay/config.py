@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlep_common.config import ServerConfig, StrictModel
 from services.replay.core import Eviction
@@ -30,9 +30,31 @@ class ReplayConfig(StrictModel):
     """Largest M accepted by Sample."""
     max_questions_per_sample: int = Field(65_536, ge=1)
     """Largest number of question ids in one Sample call."""
+    max_sample_trajectories: int = Field(65_536, ge=1)
+    """Most trajectories one Sample may ask for (question ids x m, repeats counted); beyond it the call gets
+    RESOURCE_EXHAUSTED before any work."""
+    max_sample_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
+    """Most bytes of trajectories one Sample may read from Redis or return (RESOURCE_EXHAUSTED beyond).
+    Must stay under the server's send limit (twice `server.max_request_bytes`)."""
+    max_diverse_pairs: int = Field(1 << 22, ge=1)
+    """Most success pairs one `diverse` Sample may compare (sum over questions of stored successes squared:
+    B=512 questions at 64 successes each is 2^21). Its time and memory grow with it."""
+    max_question_bytes: int = Field(256 * 1024, ge=1024)
+    """Largest serialized Question (prompt, gold answer, source) accepted with an add."""
     max_trajectory_bytes: int = Field(1 << 20, ge=1024)
     """Serialized trajectories above this are rejected (reason "oversize")."""
     max_trajectories_per_add: int = Field(20_000, ge=1)
     """Largest number of trajectories in one AddTrajectories call (ImportPool chunks alike)."""
     redis_timeout_s: float = Field(10.0, gt=0)
     """Socket timeout of Redis calls; past it the RPC fails with UNAVAILABLE (retriable)."""
+
+    @model_validator(mode="after")
+    def check_sample_bytes_fit_a_reply(self) -> ReplayConfig:
+        # rlep_common.grpc_utils.CHANNEL_LIMIT_FACTOR (not imported: configs load without grpc).
+        send_limit = self.server.max_request_bytes * 2
+        if self.max_sample_bytes >= send_limit:
+            raise ValueError(
+                f"max_sample_bytes ({self.max_sample_bytes}) must be below the server's send limit "
+                f"({send_limit} bytes, twice server.max_request_bytes)"
+            )
+        return self

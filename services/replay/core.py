@@ -9,7 +9,8 @@ in the request, nor on their order. Strategies:
 - `prioritized`: without replacement, probability proportional to a stored priority
   (Efraimidis-Spirakis keys u^(1/w)); the learner may set priorities, e.g. to rarity of success.
 - `diverse`: a random first pick, then greedily the success least similar to those already picked
-  (max-min Jaccard distance between token-id sets).
+  (max-min Jaccard distance between token-id sets; one (n, n) distance matrix per question, so
+  O(n^2) memory and time in the number of stored successes n).
 
 A question with fewer than M successes returns all it has; the response says how many exist.
 The learner decides how to fill the group (it trains on the smaller mixed group rather than
@@ -26,6 +27,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+import numpy as np
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -110,22 +113,62 @@ def choose(candidates: Sequence[Candidate], m: int, strategy: Strategy, rng: ran
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def _jaccard_distance(a: frozenset[int], b: frozenset[int]) -> float:
-    union = len(a | b)
-    return 1.0 - len(a & b) / union if union else 0.0
+DIVERSE_BLOCK_COLUMNS = 4096
+
+
+def jaccard_distances(token_sets: Sequence[frozenset]) -> np.ndarray:
+    """(n, n) Jaccard distances between token sets, vectorised: one matrix product instead of n^2 set ops.
+
+    Only tokens held by two or more sets can be shared, so the product runs over those columns
+    alone; two empty sets are at distance 0.
+    """
+    n = len(token_sets)
+    sizes = np.array([len(t) for t in token_sets], dtype=np.int64)
+    rows_arr = np.repeat(np.arange(n), sizes)
+    if all(isinstance(next(iter(t), 0), int) for t in token_sets):  # token ids: numpy end to end
+        flat = np.concatenate([np.fromiter(t, dtype=np.int64, count=len(t)) for t in token_sets] or [np.zeros(0)])
+        cols_arr = np.unique(flat, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    else:  # whitespace-split words of responses stored without token ids
+        index: dict = {}
+        cols_arr = np.array([index.setdefault(x, len(index)) for t in token_sets for x in t], dtype=np.int64)
+    vocabulary = int(cols_arr.max()) + 1 if len(cols_arr) else 0
+    shared = np.bincount(cols_arr, minlength=vocabulary) >= 2
+    keep = shared[cols_arr] if len(cols_arr) else np.zeros(0, dtype=bool)
+    columns = (np.cumsum(shared) - 1)[cols_arr[keep]]  # column among the shared tokens
+    order = np.argsort(columns, kind="stable")
+    rows_sorted, columns = rows_arr[keep][order], columns[order]
+    # Column blocks bound memory to n x DIVERSE_BLOCK_COLUMNS floats whatever the vocabulary.
+    inter = np.zeros((n, n), dtype=np.float64)
+    for low in range(0, int(shared.sum()), DIVERSE_BLOCK_COLUMNS):
+        start, end = np.searchsorted(columns, [low, low + DIVERSE_BLOCK_COLUMNS])
+        block = np.zeros((n, DIVERSE_BLOCK_COLUMNS), dtype=np.float32)
+        block[rows_sorted[start:end], columns[start:end] - low] = 1.0
+        inter += block @ block.T  # exact: a block's counts stay below 2^24
+    union = (sizes[:, None] + sizes[None, :]).astype(np.float64) - inter
+    with np.errstate(invalid="ignore", divide="ignore"):
+        distances = np.where(union > 0, 1.0 - inter / np.where(union > 0, union, 1.0), 0.0)
+    np.fill_diagonal(distances, 0.0)  # unshared tokens are left out of `inter`, so the diagonal is set here
+    return distances
 
 
 def _choose_diverse(ordered: list[Candidate], m: int, rng: random.Random) -> list[str]:
     remaining = list(ordered)
     rng.shuffle(remaining)  # random first pick, and random tie-breaking after it
-    picked = [remaining.pop(0)] if remaining else []
-    while remaining and len(picked) < m:
-        best = max(
-            range(len(remaining)),
-            key=lambda i: min(_jaccard_distance(remaining[i].tokens, p.tokens) for p in picked),
-        )
-        picked.append(remaining.pop(best))
-    return [c.trajectory_id for c in picked]
+    if not remaining:
+        return []
+    distances = jaccard_distances([c.tokens for c in remaining])
+    # Greedy max-min: keep each candidate's distance to the nearest pick; argmax takes the first
+    # maximum in shuffled order, the same tie-break as a scan of the remaining list.
+    nearest = distances[0].copy()
+    available = np.ones(len(remaining), dtype=bool)
+    available[0] = False
+    picked = [0]
+    while len(picked) < min(m, len(remaining)):
+        best = int(np.argmax(np.where(available, nearest, -np.inf)))
+        picked.append(best)
+        available[best] = False
+        np.minimum(nearest, distances[best], out=nearest)
+    return [remaining[i].trajectory_id for i in picked]
 
 
 def length_bucket(tokens: int) -> str:

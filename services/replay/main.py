@@ -21,6 +21,7 @@ class RunningReplay:
     server: grpc.Server
     port: int
     store: RedisReplayStore
+    servicer: ReplayServicer
     metrics_server: MetricsServer | None
     local_redis: LocalRedis | None
 
@@ -54,7 +55,7 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
         config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
     )
     metrics_server = start_metrics(registry, config.server)
-    return RunningReplay(server, port, store, metrics_server, local)
+    return RunningReplay(server, port, store, servicer, metrics_server, local)
 
 
 def serve_forever(config: ReplayConfig) -> None:

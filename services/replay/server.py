@@ -1,15 +1,26 @@
-"""gRPC adapter of the replay pool: validation, proto <-> store, error mapping, metrics."""
+"""gRPC adapter of the replay pool: validation, request bounds, proto <-> store, metrics.
+
+Every request has a bounded cost, checked before the work where it can be: a Sample asks for at
+most `max_sample_trajectories` (question ids x m), repeated question ids are sampled once, and
+the reply's bytes stay under `max_sample_bytes`; diverse sampling compares at most
+`max_diverse_pairs`. Work stops between units (a batch of picks, a question, a chunk, an update)
+once the caller has cancelled or its deadline has passed. Error mapping lives in `errors.py`.
+
+ImportPool applies each chunk as its own atomic add, so an interrupted import leaves the chunks
+that were applied; adds are idempotent, so running the same import again converges to the pool a
+single run would have built (only eviction order can differ when a question overflows capacity).
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterator
 
 import grpc
-import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlep.common.v1 import trajectory_pb2
@@ -18,7 +29,8 @@ from rlep_common.grpc_utils import check_request_size
 from rlep_common.types import trajectory_id
 from services.replay.config import ReplayConfig
 from services.replay.core import Strategy, check_pool_name
-from services.replay.store import PoolNotFound, RedisReplayStore, StoredTrajectory, now_ms
+from services.replay.errors import RedisHealth, keep_going_check, status_for_errors
+from services.replay.store import LimitExceeded, RedisReplayStore, SampleBudget, StoredTrajectory, now_ms
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayBuffer"]
 STRATEGIES = {
@@ -30,6 +42,10 @@ STRATEGIES = {
 }
 MAX_QUESTION_ID_CHARS = 256
 MAX_FINGERPRINT_CHARS = 64
+# An export chunk holds at most this many questions, and is cut earlier past EXPORT_CHUNK_BYTES
+# so it stays well under gRPC's message limit.
+MAX_QUESTIONS_PER_CHUNK = 4096
+EXPORT_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class ReplayMetrics:
@@ -66,43 +82,35 @@ class ReplayMetrics:
         )
 
 
-@contextlib.contextmanager
-def _status_for_errors(metrics: ReplayMetrics, context: grpc.ServicerContext, method: str) -> Iterator[None]:
-    """Maps store errors to gRPC codes and counts every call by method and status."""
-    code = grpc.StatusCode.OK
-    try:
-        yield
-    except PoolNotFound as err:
-        code = grpc.StatusCode.NOT_FOUND
-        context.abort(code, f"unknown pool {err.args[0]!r}")
-    except (redis.ConnectionError, redis.TimeoutError) as err:
-        metrics.redis_errors.inc()
-        code = grpc.StatusCode.UNAVAILABLE
-        context.abort(code, f"Redis unavailable ({type(err).__name__}); retry: nothing was written")
-    except ValueError as err:
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        context.abort(code, str(err))
-    except Exception:
-        code = context.code() or grpc.StatusCode.UNKNOWN
-        raise
-    finally:
-        metrics.requests.labels(method, code.name).inc()
+def rpc(wrote: bool = False):
+    """Runs a unary-response handler under `status_for_errors`; `wrote`: the method writes to Redis."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, request, context):
+            with self._errors(context, method.__name__, wrote):
+                return method(self, request, context)
+
+        return wrapper
+
+    return decorate
 
 
-def rpc(method):
-    """Runs a unary-response handler under `_status_for_errors`."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        with _status_for_errors(self.metrics, context, method.__name__):
-            return method(self, request, context)
-
-    return wrapper
+def _check_question_id(qid: str, where: str) -> None:
+    if not qid:
+        raise ValueError(f"{where}: empty question id")
+    if len(qid) > MAX_QUESTION_ID_CHARS:
+        raise ValueError(f"{where}: question id longer than {MAX_QUESTION_ID_CHARS} characters")
 
 
 class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
     def __init__(self, store: RedisReplayStore, config: ReplayConfig, metrics: ReplayMetrics):
         self.store, self.config, self.metrics = store, config, metrics
+        self.redis_health = RedisHealth()
+
+    def _errors(self, context: grpc.ServicerContext, method: str, wrote: bool = False):
+        metrics = self.metrics
+        return status_for_errors(metrics.requests, metrics.redis_errors, self.redis_health, context, method, wrote)
 
     def _validate(self, traj: trajectory_pb2.Trajectory) -> str | None:
         """Why a trajectory cannot be stored, or None."""
@@ -112,6 +120,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             return f"question_id longer than {MAX_QUESTION_ID_CHARS} characters"
         if not traj.response_text:
             return "missing response_text"
+        if traj.verdict not in trajectory_pb2.Verdict.values():
+            return f"unknown verdict {traj.verdict}"
         if traj.verdict != trajectory_pb2.CORRECT:
             return f"not a success (verdict {trajectory_pb2.Verdict.Name(traj.verdict)}); the pool keeps CORRECT only"
         if len(traj.tokenizer_fingerprint) > MAX_FINGERPRINT_CHARS:
@@ -122,12 +132,29 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             return f"oversize: {traj.ByteSize()} bytes > {self.config.max_trajectory_bytes}"
         return None
 
-    def _add(self, pool: str, trajectories, questions) -> replay_pb2.AddTrajectoriesResponse:
+    def _check_add(self, pool: str, trajectories, questions) -> None:
+        """Whole-request checks: counts, question metadata, rewards (INVALID_ARGUMENT, nothing stored)."""
         check_pool_name(pool)
         if len(trajectories) > self.config.max_trajectories_per_add:
             raise ValueError(
                 f"{len(trajectories)} trajectories in one call, over {self.config.max_trajectories_per_add}"
             )
+        if len(questions) > self.config.max_trajectories_per_add:
+            raise ValueError(f"{len(questions)} questions in one call, over {self.config.max_trajectories_per_add}")
+        for index, question in enumerate(questions):
+            _check_question_id(question.question_id, f"questions[{index}]")
+            if question.ByteSize() > self.config.max_question_bytes:
+                raise ValueError(
+                    f"questions[{index}] is {question.ByteSize()} bytes, over max_question_bytes "
+                    f"{self.config.max_question_bytes}"
+                )
+        for index, traj in enumerate(trajectories):
+            # A NaN reward would be stored as a success and poison every advantage it is mixed into.
+            if not math.isfinite(traj.reward):
+                raise ValueError(f"trajectories[{index}].reward is {traj.reward}; rewards must be finite")
+
+    def _add(self, pool: str, trajectories, questions) -> replay_pb2.AddTrajectoriesResponse:
+        self._check_add(pool, trajectories, questions)
         reply = replay_pb2.AddTrajectoriesResponse()
         items = []
         for index, traj in enumerate(trajectories):
@@ -150,9 +177,6 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
                     tokens,
                 )
             )
-        for question in questions:
-            if not question.question_id:
-                raise ValueError("a Question without question_id")
         result = self.store.add(pool, items, list(questions))
         reply.added, reply.duplicate, reply.evicted = result.added, result.duplicate, result.evicted
         reply.rejected = len(reply.rejections)
@@ -165,14 +189,12 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             self.metrics.adds.labels(outcome).inc(count)
         return reply
 
-    @rpc
+    @rpc(wrote=True)
     def AddTrajectories(self, request, context):
         check_request_size(request, context, self.config.server.max_request_bytes)
         return self._add(request.pool, request.trajectories, request.questions)
 
-    @rpc
-    def Sample(self, request, context):
-        started = time.perf_counter()
+    def _check_sample(self, request) -> None:
         check_pool_name(request.pool)
         if not 1 <= request.m <= self.config.max_m:
             raise ValueError(f"m must be in 1..{self.config.max_m}, got {request.m}")
@@ -182,16 +204,41 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             raise ValueError(f"{len(request.question_ids)} question ids, over {self.config.max_questions_per_sample}")
         if request.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {request.strategy}")
+        for index, qid in enumerate(request.question_ids):
+            _check_question_id(qid, f"question_ids[{index}]")
+        asked = len(request.question_ids) * request.m
+        if asked > self.config.max_sample_trajectories:
+            raise LimitExceeded(
+                f"the call asks for up to {asked} trajectories (question ids x m), over the limit of "
+                f"{self.config.max_sample_trajectories} (max_sample_trajectories); split it"
+            )
+
+    @rpc()
+    def Sample(self, request, context):
+        started = time.perf_counter()
+        self._check_sample(request)
+        # A repeated id gets the same draw (it depends on seed and question only): sample it once.
+        unique = list(dict.fromkeys(request.question_ids))
+        budget = SampleBudget(self.config.max_sample_bytes, self.config.max_diverse_pairs, keep_going_check(context))
         results = self.store.sample(
             request.pool,
-            list(request.question_ids),
+            unique,
             request.m,
             STRATEGIES[request.strategy],
             request.seed,
             request.min_policy_version,
+            budget,
         )
+        by_question = dict(zip(unique, results, strict=True))
+        reply_bytes = sum(len(p) for qid in request.question_ids for p in by_question[qid][0])
+        if reply_bytes > self.config.max_sample_bytes:
+            raise LimitExceeded(
+                f"the reply would hold {reply_bytes} bytes of trajectories, over the limit of "
+                f"{self.config.max_sample_bytes} (max_sample_bytes); ask for fewer questions per call or a smaller m"
+            )
         reply = replay_pb2.SampleResponse()
-        for qid, (payloads, available) in zip(request.question_ids, results, strict=True):
+        for qid in request.question_ids:
+            payloads, available = by_question[qid]
             sample = reply.samples.add(question_id=qid, available=available)
             for payload in payloads:
                 sample.trajectories.add().MergeFromString(payload)
@@ -200,18 +247,23 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         self.metrics.sample_seconds.observe(time.perf_counter() - started)
         return reply
 
-    @rpc
+    @rpc(wrote=True)
     def UpdatePriorities(self, request, context):
         check_pool_name(request.pool)
+        if len(request.updates) > self.config.max_trajectories_per_add:
+            raise ValueError(f"{len(request.updates)} updates in one call, over {self.config.max_trajectories_per_add}")
         for update in request.updates:
-            if not update.priority > 0:
-                raise ValueError(f"priority must be > 0, got {update.priority} for {update.question_id!r}")
+            if not update.priority > 0 or not math.isfinite(update.priority):
+                raise ValueError(f"priority must be finite and > 0, got {update.priority} for {update.question_id!r}")
+            _check_question_id(update.question_id, "updates")
         updated, missing = self.store.update_priorities(
-            request.pool, [(u.question_id, u.trajectory_id, u.priority) for u in request.updates]
+            request.pool,
+            [(u.question_id, u.trajectory_id, u.priority) for u in request.updates],
+            keep_going_check(context),
         )
         return replay_pb2.UpdatePrioritiesResponse(updated=updated, missing=missing)
 
-    @rpc
+    @rpc()
     def GetPoolStats(self, request, context):
         check_pool_name(request.pool)
         raw = self.store.stats(request.pool)
@@ -242,16 +294,16 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         self.metrics.pool_questions.labels(request.pool).set(stats.questions)
         return stats
 
-    @rpc
+    @rpc()
     def ListPools(self, request, context):
         return replay_pb2.ListPoolsResponse(pools=self.store.pools())
 
-    @rpc
+    @rpc()
     def DropPool(self, request, context):
         check_pool_name(request.pool)
         if request.confirm != request.pool:
             raise ValueError("DropPool needs confirm equal to the pool name")
-        deleted = self.store.drop(request.pool)
+        deleted = self.store.drop(request.pool, keep_going_check(context))
         for gauge in (self.metrics.pool_trajectories, self.metrics.pool_questions):
             with contextlib.suppress(KeyError):  # no stats were taken of this pool
                 gauge.remove(request.pool)
@@ -259,26 +311,40 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
 
     def ExportPool(self, request, context) -> Iterator[replay_pb2.PoolChunk]:
         # A generator: errors surface while the stream is consumed, so the mapping wraps the loop.
-        with _status_for_errors(self.metrics, context, "ExportPool"):
+        with self._errors(context, "ExportPool"):
             check_pool_name(request.pool)
+            if not 0 <= request.questions_per_chunk <= MAX_QUESTIONS_PER_CHUNK:
+                raise ValueError(
+                    f"questions_per_chunk must be in 1..{MAX_QUESTIONS_PER_CHUNK} (0: 256), "
+                    f"got {request.questions_per_chunk}"
+                )
             batch = request.questions_per_chunk or 256
+            keep_going = keep_going_check(context)
             for questions, payload_lists in self.store.iter_questions(request.pool, batch):
-                chunk = replay_pb2.PoolChunk(pool=request.pool)
-                for question in questions:
+                keep_going()
+                chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
+                for question, payloads in zip(questions, payload_lists, strict=True):
+                    if chunk.questions and size > EXPORT_CHUNK_BYTES:
+                        yield chunk
+                        chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
+                    size += len(question) + sum(len(p) for p in payloads)
                     chunk.questions.add().MergeFromString(question)
-                for payloads in payload_lists:
                     for payload in payloads:
                         chunk.trajectories.add().MergeFromString(payload)
                 yield chunk
 
-    @rpc
+    @rpc(wrote=True)
     def ImportPool(self, request_iterator, context):
+        """Each chunk is one atomic, idempotent add: re-running an interrupted import converges."""
         total = replay_pb2.AddTrajectoriesResponse()
         pool = ""
+        keep_going = keep_going_check(context)
         for chunk in request_iterator:
+            keep_going()
             pool = pool or chunk.pool
             if chunk.pool and chunk.pool != pool:
                 raise ValueError("every chunk of one import must name the same pool")
+            check_request_size(chunk, context, self.config.server.max_request_bytes)
             reply = self._add(pool, chunk.trajectories, chunk.questions)
             offset = total.added + total.duplicate + total.rejected
             total.added += reply.added

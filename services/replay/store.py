@@ -18,15 +18,18 @@ its Lua scripts stay valid on a cluster):
     rlep:replay:{P}:q:<qid>:prio           ZSET  trajectory id, score = priority
 
 Adds run in one Lua script per request, so a request is applied whole or not at all and a
-duplicate is detected atomically. Uniform sampling of a whole step is one Lua call: per question
-it counts the successes, draws M distinct indices with a seeded LCG and reads exactly those
-entries (ZRANGE by rank + HGET): one round trip per step, O(M log n) per question.
+duplicate is detected atomically. Uniform sampling runs as Lua calls of at most
+`UNIFORM_PICKS_PER_CALL` picks each: per question it counts the successes, draws M distinct
+indices with a seeded LCG and reads exactly those entries (ZRANGE by rank + HGET), O(M log n) per
+question. Small calls keep Redis responsive to other clients, and between them (and between the
+questions of the other strategies) a `SampleBudget` stops the work when the caller has gone or
+the bytes read pass the limit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -42,106 +45,44 @@ from services.replay.core import (
     question_rng,
     question_stream_seed,
 )
+from services.replay.lua import ADD_SCRIPT, SAMPLE_UNIFORM_SCRIPT
 
 ROOT = "rlep:replay"
-
-ADD_SCRIPT = """
-local p, pools_key, pool = ARGV[1], ARGV[2], ARGV[3]
-local cap, eviction, nq = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local meta = p .. ':meta'
-redis.call('SADD', pools_key, pool)
-redis.call('HSETNX', meta, 'capacity', cap)
-redis.call('HSETNX', meta, 'eviction', eviction)
-local i = 7
-for _ = 1, nq do
-  redis.call('HSET', p .. ':qmeta', ARGV[i], ARGV[i + 1])
-  i = i + 2
-end
-local function remove(qk, tid)
-  local aux = redis.call('HGET', qk .. ':aux', tid)
-  local ver, len, bytes, bucket = string.match(aux, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
-  len = tonumber(len)
-  redis.call('HDEL', qk .. ':data', tid)
-  redis.call('HDEL', qk .. ':aux', tid)
-  redis.call('ZREM', qk .. ':ids', tid)
-  redis.call('ZREM', qk .. ':ver', tid)
-  redis.call('ZREM', qk .. ':prio', tid)
-  redis.call('HINCRBY', meta, 'trajectories', -1)
-  redis.call('HINCRBY', meta, 'payload_bytes', -tonumber(bytes))
-  redis.call('HINCRBY', meta, 'tokens_sum', -len)
-  redis.call('HINCRBY', meta, 'tokens_sq_sum', -len * len)
-  redis.call('HINCRBY', p .. ':versions', ver, -1)
-  redis.call('HINCRBY', p .. ':lengths', bucket, -1)
-end
-local added, duplicate, evicted = 0, 0, 0
-local status = {}
-while i <= #ARGV do
-  local qid, tid, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local prio, ver, len, bucket = ARGV[i + 3], ARGV[i + 4], tonumber(ARGV[i + 5]), ARGV[i + 6]
-  i = i + 7
-  local qk = p .. ':q:' .. qid
-  if redis.call('HEXISTS', qk .. ':data', tid) == 1 then
-    duplicate = duplicate + 1
-  else
-    local seq = redis.call('HINCRBY', meta, 'seq', 1)
-    redis.call('HSET', qk .. ':data', tid, payload)
-    redis.call('HSET', qk .. ':aux', tid, ver .. '|' .. len .. '|' .. #payload .. '|' .. bucket)
-    redis.call('ZADD', qk .. ':ids', seq, tid)
-    redis.call('ZADD', qk .. ':ver', ver, tid)
-    redis.call('ZADD', qk .. ':prio', prio, tid)
-    redis.call('SADD', p .. ':questions', qid)
-    redis.call('HINCRBY', meta, 'trajectories', 1)
-    redis.call('HINCRBY', meta, 'payload_bytes', #payload)
-    redis.call('HINCRBY', meta, 'tokens_sum', len)
-    redis.call('HINCRBY', meta, 'tokens_sq_sum', len * len)
-    redis.call('HINCRBY', p .. ':versions', ver, 1)
-    redis.call('HINCRBY', p .. ':lengths', bucket, 1)
-    added = added + 1
-    if redis.call('ZCARD', qk .. ':ids') > tonumber(redis.call('HGET', meta, 'capacity')) then
-      local order = redis.call('HGET', meta, 'eviction') == 'oldest' and ':ids' or ':prio'
-      remove(qk, redis.call('ZRANGE', qk .. order, 0, 0)[1])
-      evicted = evicted + 1
-    end
-  end
-end
-return {added, duplicate, evicted}
-"""
-
-# Uniform sampling for a whole step in one call. ARGV: prefix, pools key, pool, min_version, m,
-# then (question id, LCG seed) pairs. Returns {-1} for an unknown pool, else per question:
-# available, picked, payload... The index draw mirrors core.choose_uniform_indices exactly.
-SAMPLE_UNIFORM_SCRIPT = """
-local p, pools_key, pool = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('SISMEMBER', pools_key, pool) == 0 then return {-1} end
-local min_version, m = tonumber(ARGV[4]), tonumber(ARGV[5])
-local out = {}
-for a = 6, #ARGV, 2 do
-  local key = p .. ':q:' .. ARGV[a] .. ':ver'
-  local n = min_version > 0 and redis.call('ZCOUNT', key, min_version, '+inf') or redis.call('ZCARD', key)
-  local k = math.min(m, n)
-  out[#out + 1] = n
-  out[#out + 1] = k
-  local state, swapped = tonumber(ARGV[a + 1]), {}
-  for i = 0, k - 1 do
-    state = (state * 48271) % 2147483647
-    local j = i + state % (n - i)
-    local index = swapped[j] or j
-    swapped[j] = swapped[i] or i
-    local tid
-    if min_version > 0 then
-      tid = redis.call('ZRANGEBYSCORE', key, min_version, '+inf', 'LIMIT', index, 1)[1]
-    else
-      tid = redis.call('ZRANGE', key, index, index)[1]
-    end
-    out[#out + 1] = redis.call('HGET', p .. ':q:' .. ARGV[a] .. ':data', tid)
-  end
-end
-return out
-"""
+# One Lua call blocks every other client of Redis: ~2k picks take a few milliseconds.
+UNIFORM_PICKS_PER_CALL = 2048
 
 
 class PoolNotFound(KeyError):
     pass
+
+
+class LimitExceeded(Exception):
+    """A request would cost more than a configured bound (the service answers RESOURCE_EXHAUSTED)."""
+
+
+def _never_stop() -> None:
+    return None
+
+
+@dataclass
+class SampleBudget:
+    """What one Sample may cost: bytes read from Redis and diverse distance pairs.
+
+    `keep_going` is called between units of work and raises when the caller has gone.
+    """
+
+    max_bytes: int
+    max_diverse_pairs: int
+    keep_going: Callable[[], None] = _never_stop
+    bytes_read: int = 0
+
+    def charge(self, payloads: Sequence[bytes]) -> None:
+        self.bytes_read += sum(len(p) for p in payloads)
+        if self.bytes_read > self.max_bytes:
+            raise LimitExceeded(
+                f"the sampled trajectories pass {self.max_bytes} bytes (max_sample_bytes); "
+                "ask for fewer questions per call or a smaller m"
+            )
 
 
 def pool_prefix(pool: str) -> str:
@@ -209,40 +150,67 @@ class RedisReplayStore:
         return AddResult(int(added), int(duplicate), int(evicted))
 
     def sample(
-        self, pool: str, question_ids: Sequence[str], m: int, strategy: Strategy, seed: int, min_version: int = 0
+        self,
+        pool: str,
+        question_ids: Sequence[str],
+        m: int,
+        strategy: Strategy,
+        seed: int,
+        min_version: int = 0,
+        budget: SampleBudget | None = None,
     ) -> list[tuple[list[bytes], int]]:
-        """Per question: (payloads of up to m distinct successes, successes available)."""
+        """Per question: (payloads of up to m distinct successes, successes available).
+
+        Raises LimitExceeded when the work would pass `budget`, and whatever `budget.keep_going` raises.
+        """
+        budget = budget or SampleBudget(max_bytes=1 << 62, max_diverse_pairs=1 << 62)
         if strategy == Strategy.UNIFORM:
-            return self._sample_uniform(pool, question_ids, m, seed, min_version)
+            return self._sample_uniform(pool, question_ids, m, seed, min_version, budget)
         self.require_pool(pool)
         prefix = pool_prefix(pool)
         pipe = self.client.pipeline(transaction=False)
         for qid in question_ids:
             pipe.zcount(f"{prefix}:q:{qid}:ver", min_version, "+inf")
         counts = [int(c) for c in pipe.execute()]
-        return [
-            (self._sample_by_attributes(prefix, qid, m, strategy, seed, min_version) if n else [], n)
-            for qid, n in zip(question_ids, counts, strict=True)
-        ]
+        if strategy == Strategy.DIVERSE:
+            pairs = sum(n * n for n in counts)
+            if pairs > budget.max_diverse_pairs:
+                raise LimitExceeded(
+                    f"diverse sampling would compare {pairs} pairs of successes, over the limit of "
+                    f"{budget.max_diverse_pairs} (max_diverse_pairs); ask for fewer questions per call"
+                )
+        out = []
+        for qid, n in zip(question_ids, counts, strict=True):
+            budget.keep_going()
+            payloads = self._sample_by_attributes(prefix, qid, m, strategy, seed, min_version, budget) if n else []
+            out.append((payloads, n))
+        return out
 
     def _sample_uniform(
-        self, pool: str, question_ids: Sequence[str], m: int, seed: int, min_version: int
+        self, pool: str, question_ids: Sequence[str], m: int, seed: int, min_version: int, budget: SampleBudget
     ) -> list[tuple[list[bytes], int]]:
-        args: list[str | int] = [pool_prefix(pool), f"{ROOT}:pools", pool, min_version, m]
-        for qid in question_ids:
-            args += [qid, question_stream_seed(seed, qid)]
-        flat = self._sample_uniform_script(args=args)
-        if flat and flat[0] == -1:
-            raise PoolNotFound(pool)
-        out, cursor = [], 0
-        for _ in question_ids:
-            available, picked = int(flat[cursor]), int(flat[cursor + 1])
-            out.append((flat[cursor + 2 : cursor + 2 + picked], available))
-            cursor += 2 + picked
+        out: list[tuple[list[bytes], int]] = []
+        per_call = max(1, UNIFORM_PICKS_PER_CALL // m)
+        for start in range(0, len(question_ids), per_call):
+            budget.keep_going()
+            batch = question_ids[start : start + per_call]
+            args: list[str | int] = [pool_prefix(pool), f"{ROOT}:pools", pool, min_version, m]
+            for qid in batch:
+                args += [qid, question_stream_seed(seed, qid)]
+            flat = self._sample_uniform_script(args=args)
+            if flat and flat[0] == -1:
+                raise PoolNotFound(pool)
+            cursor = 0
+            for _ in batch:
+                available, picked = int(flat[cursor]), int(flat[cursor + 1])
+                payloads = flat[cursor + 2 : cursor + 2 + picked]
+                budget.charge(payloads)
+                out.append((payloads, available))
+                cursor += 2 + picked
         return out
 
     def _sample_by_attributes(
-        self, prefix: str, qid: str, m: int, strategy: Strategy, seed: int, min_version: int
+        self, prefix: str, qid: str, m: int, strategy: Strategy, seed: int, min_version: int, budget: SampleBudget
     ) -> list[bytes]:
         qk = f"{prefix}:q:{qid}"
         pipe = self.client.pipeline(transaction=False)
@@ -254,6 +222,8 @@ class RedisReplayStore:
         if strategy == Strategy.DIVERSE:
             tids = [tid for tid, _ in versions]
             payloads = dict(zip(tids, self.client.hmget(f"{qk}:data", tids), strict=True)) if tids else {}
+            budget.charge([p for p in payloads.values() if p])  # every candidate is read and decoded
+            budget.keep_going()
         candidates = []
         for tid, version in versions:
             tokens: frozenset[int] = frozenset()
@@ -266,14 +236,19 @@ class RedisReplayStore:
             return []
         if payloads:
             return [payloads[t.encode()] for t in chosen]
-        return [p for p in self.client.hmget(f"{qk}:data", chosen) if p]
+        read = [p for p in self.client.hmget(f"{qk}:data", chosen) if p]
+        budget.charge(read)
+        return read
 
-    def update_priorities(self, pool: str, updates: Sequence[tuple[str, str, float]]) -> tuple[int, int]:
+    def update_priorities(
+        self, pool: str, updates: Sequence[tuple[str, str, float]], keep_going: Callable[[], None] = _never_stop
+    ) -> tuple[int, int]:
         """(question id, trajectory id or "" for all, priority) -> (updated, missing)."""
         self.require_pool(pool)
         prefix = pool_prefix(pool)
         updated = missing = 0
         for qid, tid, priority in updates:
+            keep_going()
             key = f"{prefix}:q:{qid}:prio"
             tids = [tid] if tid else [t.decode() for t in self.client.zrange(key, 0, -1)]
             present = [t for t in tids if self.client.zscore(key, t) is not None]
@@ -330,12 +305,14 @@ class RedisReplayStore:
             "used_memory": used_memory,
         }
 
-    def drop(self, pool: str) -> int:
+    def drop(self, pool: str, keep_going: Callable[[], None] = _never_stop) -> int:
+        """Deletes a pool's keys in batches; the name goes last, so a drop stopped midway can be run again."""
         self.require_pool(pool)
         prefix = pool_prefix(pool)
         total = int(self.client.hget(f"{prefix}:meta", "trajectories") or 0)
         keys = list(self.client.scan_iter(match=f"{prefix}:*", count=1000))  # pool names hold no glob characters
         for start in range(0, len(keys), 500):
+            keep_going()
             self.client.unlink(*keys[start : start + 500])
         self.client.srem(f"{ROOT}:pools", pool)
         return total

@@ -1,6 +1,8 @@
-"""Durability and failure: kill -9 of Redis after acknowledged adds, and a Redis that goes away."""
+"""Durability and failure: kill -9 of Redis after acknowledged adds, a Redis that goes away, a full Redis."""
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 import pytest
@@ -50,7 +52,12 @@ def test_kill_9_after_acknowledged_adds_loses_nothing(tmp_path):
         restarted.stop()
 
 
-def test_redis_going_away_gives_unavailable_and_no_partial_write(tmp_path):
+def redis_log(caplog, phrase: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "services.replay" and phrase in r.getMessage()]
+
+
+def test_redis_going_away_gives_unavailable_and_no_partial_write(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="services.replay")
     redis_server = start_local_redis(tmp_path / "redis")
     config = ReplayConfig(server=ServerConfig(port=0), redis_url=redis_server.url, redis_timeout_s=2.0)
     running = start_replay(config)
@@ -67,12 +74,46 @@ def test_redis_going_away_gives_unavailable_and_no_partial_write(tmp_path):
                 with pytest.raises(grpc.RpcError) as err:
                     call(message, timeout=10)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "retry" in err.value.details()
+                # A timed-out add may have been applied: the message must not promise otherwise.
+                assert "may or may not have taken effect" in err.value.details()
+                assert "Retrying is safe: adds are idempotent" in err.value.details()
+            assert len(redis_log(caplog, "Redis unreachable")) == 1  # once per outage, not per call
+            assert not [r for r in caplog.records if r.exc_info]  # and no traceback
             revived = start_local_redis(tmp_path / "redis", port=redis_server.port)
             try:
                 assert client.stats("p").trajectories == 10  # nothing half-written
                 assert client.add("p", successes(10, 5)).added == 5  # and the retry goes through
             finally:
                 revived.stop()
+            assert len(redis_log(caplog, "Redis works again (was unreachable)")) == 1
     finally:
         running.stop()
+
+
+def test_a_full_redis_gives_resource_exhausted_logged_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="services.replay")
+    redis_server = start_local_redis(
+        tmp_path / "redis",
+        appendfsync="everysec",
+        extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"],
+    )
+    running = start_replay(ReplayConfig(server=ServerConfig(port=0), redis_url=redis_server.url))
+    try:
+        with ReplayClient(f"127.0.0.1:{running.port}", timeout_s=10) as client:
+            failures, acknowledged = [], 0
+            big = [Trajectory(f"q{i}", f"{i} " + "x" * 100_000, 1.0, verdict=Verdict.CORRECT) for i in range(80)]
+            for start in range(0, 80, 4):
+                try:
+                    acknowledged += client.add("full", big[start : start + 4]).added
+                except grpc.RpcError as err:
+                    failures.append((err.code(), err.details()))
+            assert acknowledged > 0 and len(failures) >= 2, (acknowledged, failures)
+            for code, details in failures:
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "Redis is out of memory" in details and "nothing was stored" in details
+            assert len(redis_log(caplog, "Redis out of memory")) == 1
+            assert client.stats("full").trajectories == acknowledged  # every refused add stored nothing
+            assert len(client.sample("full", ["q0"], m=1)["q0"]) == 1  # reads still work
+    finally:
+        running.stop()
+        redis_server.stop()

@@ -189,9 +189,10 @@ def test_bad_sample_requests(replay_client, pool_name, request_fields, code, phr
 
 def test_large_sample_request_works(replay_client, pool_name):
     replay_client.add(pool_name, [success(f"q{q}", i) for q in range(200) for i in range(3)])
-    qids = [f"q{q % 300}" for q in range(40_000)]
-    reply = replay_client.stub.Sample(replay_pb2.SampleRequest(pool=pool_name, question_ids=qids, m=2), timeout=60)
+    qids = [f"q{q % 300}" for q in range(40_000)]  # repeated ids: each distinct one is drawn once
+    reply = replay_client.stub.Sample(replay_pb2.SampleRequest(pool=pool_name, question_ids=qids, m=1), timeout=60)
     assert len(reply.samples) == 40_000 and reply.samples[0].available == 3 and reply.samples[250].available == 0
+    assert reply.samples[0].trajectories == reply.samples[300].trajectories
 
 
 def test_bad_trajectories_are_rejected_with_reasons(replay_client, pool_name, replay):
@@ -258,19 +259,53 @@ def test_lua_uniform_draw_matches_its_python_reference(replay_client, pool_name)
 
 
 def test_metrics_count_adds_and_samples(replay_client, pool_name, replay, auth_token_file):
-    replay_client.add(pool_name, [success("q", i) for i in range(3)])
-    replay_client.sample(pool_name, ["q"], m=2, seed=0)
-    replay_client.stats(pool_name)
     from tests.metrics_util import scrape, series_value, service_labels
 
-    text = scrape(replay.metrics_port, auth_token_file.read_text().strip())
+    token = auth_token_file.read_text().strip()
+    series = {
+        "added": 'rlep_replay_trajectories_added_total{outcome="added"}',
+        "duplicate": 'rlep_replay_trajectories_added_total{outcome="duplicate"}',
+        "samples": "rlep_replay_sample_seconds_count",
+        "sampled": "rlep_replay_sampled_trajectories_total",
+        "ok": 'rlep_replay_requests_total{code="OK",method="Sample"}',
+        "invalid": 'rlep_replay_requests_total{code="INVALID_ARGUMENT",method="Sample"}',
+    }
+    text = scrape(replay.metrics_port, token)
+    before = {name: _value_or_zero(text, s) for name, s in series.items()}
+    replay_client.add(pool_name, [success("q", i) for i in range(3)])
+    replay_client.add(pool_name, [success("q", 0)])
+    replay_client.sample(pool_name, ["q"], m=2, seed=0)
+    _abort_code(replay_client.stub.Sample, replay_pb2.SampleRequest(pool=pool_name, question_ids=["q"], m=0))
+    replay_client.stats(pool_name)
+
+    text = scrape(replay.metrics_port, token)
     assert service_labels(text) == {"replay"}
     assert series_value(text, f'rlep_replay_pool_trajectories{{pool="{pool_name}"}}') == 3.0
-    for series in (
-        'rlep_replay_trajectories_added_total{outcome="added"}',
-        "rlep_replay_sample_seconds_count",
-        "rlep_replay_sampled_trajectories_total",
-        "rlep_replay_redis_errors_total",
-        'rlep_replay_requests_total{code="OK",method="Sample"}',
-    ):
-        series_value(text, series)  # raises when not exported
+    after = {name: series_value(text, s) for name, s in series.items()}
+    # Other tests share this server: compare deltas (pytest runs one test at a time).
+    deltas = {name: after[name] - before[name] for name in series}
+    assert deltas == {"added": 3, "duplicate": 1, "samples": 1, "sampled": 2, "ok": 1, "invalid": 1}
+
+
+def _value_or_zero(text: str, series: str) -> float:
+    from tests.metrics_util import series_value
+
+    try:
+        return series_value(text, series)
+    except AssertionError:  # a labelled series appears only once it has been counted
+        return 0.0
+
+
+def test_metrics_need_the_token(replay, auth_token_file):
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{replay.metrics_port}/metrics"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+        assert err.value.code == 401
+    token = auth_token_file.read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 200 and b"rlep_replay_requests_total" in reply.read()

@@ -6,12 +6,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
-from tests.conftest import REPO_ROOT
+from rlep_common.redis_server import redis_server_binary
+from tests.conftest import REPO_ROOT, free_port
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
@@ -53,7 +56,7 @@ def test_every_component_is_there_with_a_health_check(compose):
 
 
 def test_redis_keeps_an_fsynced_append_only_file(compose):
-    command = compose["services"]["redis"]["command"]
+    command = compose["services"]["redis"]["command"][2].split()  # sh -c "exec redis-server - --appendonly ..."
     assert command[command.index("--appendonly") + 1] == "yes"
     assert command[command.index("--appendfsync") + 1] == "always"
 
@@ -83,7 +86,6 @@ def test_health_checks_use_the_image_script_on_each_service_port(compose):
 
 def test_services_reach_each_other_by_compose_name(compose):
     services = compose["services"]
-    assert services["replay"]["environment"]["RLEP_REPLAY__REDIS_URL"] == "redis://redis:6379/0"
     env = services["eval"]["environment"]
     assert yaml.safe_load(env["RLEP_EVAL__ROLLOUT__ADDRESSES"]) == ["rollout:50063"]
     assert env["RLEP_EVAL__VERIFIER__ADDRESS"] == "verifier:50061"
@@ -117,3 +119,64 @@ def test_dockerfile_copies_only_what_exists_and_installs_like_bootstrap():
     for source in sources:
         assert f"!{source.rstrip('/')}" in {line.rstrip("/") for line in ignore}, f"{source} excluded by dockerignore"
     assert "scripts/bootstrap.sh" in text and "torch==2.13.0+cpu" in text
+
+
+def shell(text: str) -> str:
+    """`docker-compose config` prints a literal `$` as `$$`; the container's shell sees one."""
+    return text.replace("$$", "$")
+
+
+def test_redis_requires_the_password_from_its_secret(compose, tmp_path):
+    """Runs compose's own Redis command and health check (with the real redis-server) against a temp secret."""
+    service = compose["services"]["redis"]
+    assert [s["source"] for s in service["secrets"]] == ["redis_password"]
+    secret = tmp_path / "redis_password"
+    secret.write_text("0123abcd\n")
+    port = free_port()
+    script = shell(service["command"][2]).replace("/run/secrets/redis_password", str(secret))
+    assert "requirepass" not in script.split("<<")[0]  # on stdin, not on the command line
+    script = script.replace("redis-server -", f"{redis_server_binary()} - --port {port} --dir {tmp_path}", 1)
+    server = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password="0123abcd", socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, "redis did not start"
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        settings = client.config_get("append*")
+        assert (settings["appendonly"], settings["appendfsync"]) == ("yes", "always")
+        check = shell(service["healthcheck"]["test"][3]).replace("/run/secrets/redis_password", str(secret))
+        cli = shutil.which("redis-cli") or str(Path(redis_server_binary()).with_name("redis-cli"))
+        check = check.replace("redis-cli ping", f"{cli} -p {port} ping")
+        assert subprocess.run(["sh", "-c", check], timeout=30).returncode == 0
+        secret.write_text("wrong\n")
+        assert subprocess.run(["sh", "-c", check], timeout=30).returncode != 0
+    finally:
+        server.terminate()  # the script exec'ed redis-server: this is Redis itself
+        server.wait(timeout=30)
+
+
+def test_replay_and_eval_get_the_redis_url_with_its_password(compose, tmp_path):
+    secret = tmp_path / "redis_password"
+    secret.write_text("0123abcd\n")
+    for name, variable in (("replay", "RLEP_REPLAY__REDIS_URL"), ("eval", "RLEP_EVAL__REDIS_URL")):
+        service = compose["services"][name]
+        assert "redis_password" in [s["source"] for s in service["secrets"]], name
+        assert not any("REDIS_URL" in key for key in service.get("environment", {})), name
+        entrypoint = [shell(part).replace("/run/secrets/redis_password", str(secret)) for part in service["entrypoint"]]
+        shown = subprocess.run([*entrypoint, "env"], capture_output=True, text=True, timeout=30, check=True).stdout
+        assert f"{variable}=redis://:0123abcd@redis:6379/0" in shown.splitlines(), name
+
+
+def test_make_secrets_writes_a_url_safe_redis_password(tmp_path):
+    script = tmp_path / "make-secrets.sh"
+    shutil.copy(REPO_ROOT / "deploy" / "docker" / "make-secrets.sh", script)
+    subprocess.run(["bash", str(script)], capture_output=True, timeout=60, check=True)
+    for name in ("auth-token", "redis-password", "grafana-admin-password"):
+        assert re.fullmatch(r"[0-9a-f]{64}\n", (tmp_path / "secrets" / name).read_text()), name

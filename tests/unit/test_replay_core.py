@@ -70,3 +70,43 @@ def test_pool_names_and_question_ids():
     assert question_id(prompt) == question_id([dict(prompt[0])])
     assert question_id(prompt) != question_id([{"role": "user", "content": "What is 1+2?"}])
     assert len(question_id(prompt)) == 24
+
+
+def _reference_diverse(candidates, m, rng):
+    """The greedy max-min pick written with Python sets, as the strategy is defined."""
+
+    def distance(a, b):
+        return 1.0 - len(a & b) / len(a | b) if a | b else 0.0
+
+    remaining = sorted(candidates, key=lambda c: c.trajectory_id)
+    rng.shuffle(remaining)
+    picked = [remaining.pop(0)] if remaining else []
+    while remaining and len(picked) < m:
+        best = max(range(len(remaining)), key=lambda i: min(distance(remaining[i].tokens, p.tokens) for p in picked))
+        picked.append(remaining.pop(best))
+    return [c.trajectory_id for c in picked]
+
+
+@pytest.mark.parametrize(("words", "block_columns"), [(False, 4096), (True, 4096), (False, 7)])
+def test_vectorised_diverse_matches_the_set_definition(words, block_columns, monkeypatch):
+    import random
+
+    from services.replay import core
+    from services.replay.core import jaccard_distances
+
+    monkeypatch.setattr(core, "DIVERSE_BLOCK_COLUMNS", block_columns)  # 7: many column blocks
+
+    maker = random.Random(5)
+    candidates = []
+    for i in range(40):
+        tokens = {maker.randrange(60) for _ in range(maker.randrange(0, 25))}
+        candidates.append(
+            Candidate(f"t{i:02d}", tokens=frozenset(f"w{t}" for t in tokens) if words else frozenset(tokens))
+        )
+    sets = [c.tokens for c in candidates]
+    expected = [[1.0 - len(a & b) / len(a | b) if a | b else 0.0 for b in sets] for a in sets]
+    assert jaccard_distances(sets).tolist() == expected  # same float64 formula, so exactly equal
+    for seed in range(8):
+        for m in (1, 5, 40, 60):
+            got = choose(candidates, m, Strategy.DIVERSE, question_rng(seed, "q"))
+            assert got == _reference_diverse(candidates, m, question_rng(seed, "q")), (seed, m)
