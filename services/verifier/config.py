@@ -17,9 +17,17 @@ class VerifierConfig(StrictModel):
     num_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=256)
     """Worker processes running math-verify (CPU-bound: one per core)."""
     item_timeout_s: float = Field(5.0, gt=0, le=3600)
-    """Hard limit for checking one response; past it the worker is killed and replaced (TIMEOUT)."""
-    parse_timeout_s: int = Field(1, ge=1, le=600)
-    """math-verify's own per-parse timeout (whole seconds); keep it well under item_timeout_s."""
+    """Hard wall-clock limit for checking one response; past it the worker is killed and replaced (TIMEOUT).
+
+    A backstop for input stuck in C code. It counts wall time, so keep it several times the CPU time an
+    item may use (3 x parse_timeout_s): the margin is how much slower a busy machine may run before a
+    legal answer's verdict changes."""
+    parse_timeout_s: float = Field(1.0, gt=0, le=600)
+    """CPU-time limit (seconds) of each math-verify step: gold parse, answer parse, comparison. Past it the
+    item is TIMEOUT. CPU time, not wall time, so the verdict does not depend on the machine's load."""
+    request_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """The server's own limit for one Verify call: it applies when the caller sets no deadline or a later
+    one. Past it the call gets RESOURCE_EXHAUSTED and its unchecked items are dropped."""
     max_answer_chars: int = Field(512, ge=1)
     """Extracted answers longer than this are UNPARSEABLE without being parsed."""
     max_items_per_request: int = Field(8192, ge=1)
@@ -33,10 +41,11 @@ class VerifierConfig(StrictModel):
 
     @model_validator(mode="after")
     def _timeouts_nest(self) -> VerifierConfig:
-        # One check runs up to three math-verify steps (gold parse, answer parse, compare).
+        # One check runs up to three math-verify steps (gold parse, answer parse, compare), each limited
+        # in CPU time; the wall-clock kill must come later, or it would decide instead.
         if 3 * self.parse_timeout_s >= self.item_timeout_s:
             raise ValueError(
                 f"item_timeout_s ({self.item_timeout_s}) must exceed 3 x parse_timeout_s ({self.parse_timeout_s}) "
-                "so math-verify's own timeouts fire before the worker is killed"
+                "so the CPU-time limit of the steps decides before the worker is killed"
             )
         return self

@@ -4,9 +4,13 @@ Answer extraction follows the RLEP/DAPO conventions: the last `\\boxed{...}` (or
 balanced braces; failing that, the last "Answer: X" line (DAPO-Math's prompt format). Equivalence
 is decided by HF math-verify (symbolic and numeric comparison through sympy).
 
-`check_answer` must run on a process's main thread: math-verify's own timeouts use `signal.alarm`.
-The service runs it in worker processes (`services.verifier.pool`) and adds a hard per-item timeout
-on top, because a pathological input can block inside C code where no signal is delivered.
+`check_answer` must run on a process's main thread: it limits each math-verify step by the CPU time
+of the process (`signal.setitimer(ITIMER_PROF)`), in place of math-verify's own `signal.alarm`
+timeouts, which count wall time and so turned slow-but-legal answers into TIMEOUT whenever the
+machine was busy. The process must not run other busy threads (they would use up the budget). The
+service runs checks in worker processes (`services.verifier.pool`) and adds a hard wall-clock
+per-item timeout on top, because a pathological input can block inside C code where no signal
+handler runs.
 
 What is not covered: answers that are only stated in prose ("the answer is seven"), multiple-choice
 letter matching beyond what math-verify does, and responses with several conflicting boxed answers
@@ -15,9 +19,13 @@ letter matching beyond what math-verify does, and responses with several conflic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rlep_common.types import Verdict
@@ -34,8 +42,8 @@ class CheckOptions:
 
     max_answer_chars: int = 512
     """Longer extracted answers are UNPARSEABLE without parsing (real answers are short)."""
-    parse_timeout_s: int = 1
-    """math-verify's own timeout for each parse and for the comparison (whole seconds: signal.alarm)."""
+    parse_timeout_s: float = 1.0
+    """CPU-time limit of each math-verify step (gold parse, answer parse, comparison), in seconds."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,30 @@ def extract_answer(response: str) -> str | None:
     return answer or None
 
 
+@contextlib.contextmanager
+def cpu_time_limit(seconds: float) -> Iterator[None]:
+    """Raises math-verify's `TimeoutException` once the process has spent `seconds` of CPU time in the block.
+
+    CPU time, not wall time, so a verdict does not depend on what else the machine runs. Main thread only
+    (signal handlers run there). The exception may surface just after the block ends: callers catch it
+    around the block, not inside.
+    """
+    from math_verify.errors import TimeoutException
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutException(f"over {seconds} s of CPU time")
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
 @functools.lru_cache(maxsize=4096)
-def _parse_gold(ground_truth: str, timeout_s: int) -> tuple:
+def _parse_gold(ground_truth: str, timeout_s: float) -> tuple:
     """Parses a gold answer; cached because every one of a question's G responses shares it.
 
     math-verify falls back to the raw string when it cannot build an expression; a gold answer
@@ -98,7 +128,8 @@ def _parse_gold(ground_truth: str, timeout_s: int) -> tuple:
     from math_verify import parse
 
     for candidate in (f"${ground_truth}$", f"\\boxed{{{ground_truth}}}"):
-        parsed = parse(candidate, parsing_timeout=timeout_s)
+        with cpu_time_limit(timeout_s):
+            parsed = parse(candidate, parsing_timeout=None)  # None: our CPU-time limit replaces its alarm
         if any(not isinstance(p, str) for p in parsed):
             return tuple(parsed)
     return ()
@@ -108,6 +139,10 @@ def check_answer(response: str, ground_truth: str, options: CheckOptions = Check
     """Decides one response. Never raises for bad input: every outcome is a verdict."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
+
+    if threading.current_thread() is not threading.main_thread():
+        # The CPU-time limit is a signal handler; elsewhere every check would fail as UNPARSEABLE.
+        raise RuntimeError("check_answer must run on a process's main thread (see services.verifier.pool)")
 
     started = time.perf_counter()
 
@@ -126,7 +161,8 @@ def check_answer(response: str, ground_truth: str, options: CheckOptions = Check
         gold = _parse_gold(gold_text, options.parse_timeout_s)
         if not gold:
             return done(Verdict.GOLD_UNPARSEABLE, extracted)
-        predicted = parse(f"\\boxed{{{extracted}}}", parsing_timeout=options.parse_timeout_s, raise_on_error=True)
+        with cpu_time_limit(options.parse_timeout_s):
+            predicted = parse(f"\\boxed{{{extracted}}}", parsing_timeout=None, raise_on_error=True)
     except TimeoutException:
         return done(Verdict.TIMEOUT, extracted)
     except Exception:  # sympy/antlr fail in many ways on odd input: it is not a parseable answer
@@ -134,7 +170,8 @@ def check_answer(response: str, ground_truth: str, options: CheckOptions = Check
     if not predicted:
         return done(Verdict.UNPARSEABLE, extracted)
     try:
-        same = verify(list(gold), predicted, timeout_seconds=options.parse_timeout_s, raise_on_error=True)
+        with cpu_time_limit(options.parse_timeout_s):
+            same = verify(list(gold), predicted, timeout_seconds=None, raise_on_error=True)
     except TimeoutException:
         return done(Verdict.TIMEOUT, extracted)
     except Exception:  # parsed but not comparable (e.g. a matrix against a number): not equivalent

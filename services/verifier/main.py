@@ -47,6 +47,7 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
         options=CheckOptions(max_answer_chars=config.max_answer_chars, parse_timeout_s=config.parse_timeout_s),
         memory_limit_mb=config.worker_memory_mb,
         on_restart=lambda reason: metrics.worker_restarts.labels(reason).inc(),
+        on_skip=metrics.items_dropped.inc,
     )
     metrics.workers.set(config.num_workers)
     servicer = VerifierServicer(pool, config, metrics)

@@ -1,8 +1,14 @@
-"""gRPC adapter of the verifier: proto <-> `VerifyPool`, limits, metrics. No verification logic here."""
+"""gRPC adapter of the verifier: proto <-> `VerifyPool`, limits, metrics. No verification logic here.
+
+Every call's work is bounded and stops with the call: it waits for the caller's deadline or the
+server's `request_timeout_s`, whichever comes first, and when the call ends early (deadline, limit,
+or the client cancelling) its unchecked items are dropped from the pool's queue.
+"""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import CancelledError
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -30,6 +36,8 @@ class VerifierMetrics:
         self.requests = Counter(
             "rlep_verifier_requests_total", "Verify calls, by status code", ["code"], registry=registry
         )
+        for code in ("OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"):
+            self.requests.labels(code)  # exported at 0, so rate() and increase() see the first call
         self.request_seconds = Histogram(
             "rlep_verifier_request_seconds",
             "Latency of a Verify call",
@@ -50,6 +58,11 @@ class VerifierMetrics:
         )
         for reason in ("timeout", "crash"):
             self.worker_restarts.labels(reason)
+        self.items_dropped = Counter(
+            "rlep_verifier_items_dropped_total",
+            "Items never checked because their call was cancelled or ran out of time",
+            registry=registry,
+        )
         self.items_in_flight = Gauge(
             "rlep_verifier_items_in_flight", "Items submitted and not yet answered", registry=registry
         )
@@ -82,13 +95,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{count} items in one request, over the limit of {self._config.max_items_per_request}; split it",
             )
-        items = [(item.response, item.ground_truth) for item in request.items]
+        # Without a client deadline time_remaining() is ~1e18 s (more than a wait can take): cap it.
+        limit_s = self._config.request_timeout_s
+        remaining_s = context.time_remaining()
+        own_limit = remaining_s is None or remaining_s >= limit_s
+        batch = self._pool.start([(item.response, item.ground_truth) for item in request.items])
+        if not context.add_callback(batch.cancel):  # runs when the call ends, however it ends
+            batch.cancel()
         self._metrics.items_in_flight.inc(count)
         try:
-            results = self._pool.verify(items, timeout_s=context.time_remaining())
+            results = batch.wait(limit_s if own_limit else remaining_s)
         except TimeoutError as err:
+            if own_limit:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"not finished within the server's limit of {limit_s:g} s per call (request_timeout_s): {err};"
+                    " send fewer items per call",
+                )
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+        except CancelledError as err:
+            context.abort(grpc.StatusCode.CANCELLED, str(err))
         finally:
+            batch.cancel()  # a no-op when every item is answered
             self._metrics.items_in_flight.dec(count)
         out = verifier_pb2.VerifyResponse()
         for result in results:

@@ -1,11 +1,14 @@
 """Answer extraction (pure string logic) and single checks on the main thread."""
 
 import pickle
+import threading
+import time
 
 import pytest
+from math_verify.errors import TimeoutException
 
 from rlep_common.types import Verdict
-from services.verifier.core import CheckOptions, check_answer, extract_answer
+from services.verifier.core import CheckOptions, check_answer, cpu_time_limit, extract_answer
 
 
 @pytest.mark.parametrize(
@@ -51,3 +54,32 @@ def test_check_function_and_options_are_picklable():
     """Workers are spawned processes: what they are sent must pickle."""
     assert pickle.loads(pickle.dumps(check_answer)) is check_answer
     assert pickle.loads(pickle.dumps(CheckOptions(parse_timeout_s=2))).parse_timeout_s == 2
+
+
+def test_cpu_time_limit_counts_cpu_time_not_wall_time():
+    """A busy machine stretches wall time, not the CPU a check uses: only the latter may end it."""
+    with cpu_time_limit(0.2):
+        time.sleep(0.4)  # wall time passes with no CPU used: within the limit
+    spun_until = None
+    with pytest.raises(TimeoutException), cpu_time_limit(0.2):
+        give_up = time.process_time() + 5.0
+        while time.process_time() < give_up:
+            pass
+        spun_until = time.process_time()
+    assert spun_until is None  # the limit ended the loop, not its own 5 s bound
+
+
+def test_check_answer_refuses_to_run_off_the_main_thread():
+    """Off the main thread no CPU-time limit can be set: a loud error, not every item UNPARSEABLE."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            check_answer("\\boxed{1}", "1")
+        except RuntimeError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(outcome) == 1 and "main thread" in str(outcome[0])

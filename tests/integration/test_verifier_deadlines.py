@@ -1,0 +1,118 @@
+"""A Verify call's work is bounded and stops with the call: no deadline, a passed deadline, a cancelled call.
+
+Runs its own real verifier (one math-verify worker, a 1.5 s server limit) so the pool's counts of
+items checked and dropped belong to these tests alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from rlep_common.config import ServerConfig
+from rlep_common.grpc_utils import make_channel
+from rlep_common.types import Verdict
+from rlep_common.wire import VERDICT_TO_PROTO
+from services.verifier.pool import WINDOW
+from tests.metrics_util import scrape, series_value
+
+pytestmark = pytest.mark.integration
+
+LIMIT_S = 1.5
+# Distinct items (sympy caches repeated ones): ~3-10 ms each on one worker, so 10 s or more in all.
+BIG = verifier_pb2.VerifyRequest(
+    items=[
+        verifier_pb2.VerifyItem(response=f"\\boxed{{\\frac{{{i}}}{{7}}+\\sqrt{{{i + 1}}}}}", ground_truth=f"{i}/7")
+        for i in range(4000)
+    ]
+)
+SMALL = verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(response="\\boxed{2}", ground_truth="2")] * 3)
+DROPPED = "rlep_verifier_items_dropped_total"
+
+
+@pytest.fixture(scope="module")
+def limited_verifier():
+    from services.verifier.config import VerifierConfig
+    from services.verifier.main import start_verifier
+
+    running = start_verifier(
+        VerifierConfig(server=ServerConfig(port=0, metrics_port=0), num_workers=1, request_timeout_s=LIMIT_S)
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(limited_verifier):
+    channel = make_channel(f"127.0.0.1:{limited_verifier.port}")
+    yield verifier_pb2_grpc.VerifierStub(channel)
+    channel.close()
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _assert_work_stopped(pool, stub, before: dict, at_stop: dict, big_items: int) -> None:
+    """After the big call ended, a small call costs its own 3 items plus at most the WINDOW already sent."""
+    reply = stub.Verify(SMALL, timeout=30)
+    after = pool.counts()
+    assert [r.verdict for r in reply.results] == [VERDICT_TO_PROTO[Verdict.CORRECT]] * 3
+    checked_big = after["checked"] - before["checked"] - len(SMALL.items)
+    assert after["checked"] - at_stop["checked"] - len(SMALL.items) <= WINDOW, (before, at_stop, after)
+    # Every item of the big call was either checked or dropped unchecked; most were dropped.
+    assert after["skipped"] - before["skipped"] == big_items - checked_big
+    assert checked_big < big_items / 2
+
+
+def test_call_without_deadline_gets_the_server_limit_and_its_work_stops(limited_verifier, stub):
+    pool = limited_verifier.pool
+    reply = stub.Verify(SMALL)  # no deadline at all
+    assert [r.verdict for r in reply.results] == [VERDICT_TO_PROTO[Verdict.CORRECT]] * 3
+    dropped_before = series_value(scrape(limited_verifier.metrics_port), DROPPED)
+    before = pool.counts()
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Verify(BIG)  # no deadline, several seconds of work
+    elapsed = time.monotonic() - started
+    at_stop = pool.counts()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"limit of {LIMIT_S:g} s per call (request_timeout_s)" in err.value.details()
+    assert LIMIT_S <= elapsed < LIMIT_S + 3.0
+    _assert_work_stopped(pool, stub, before, at_stop, len(BIG.items))
+    dropped = series_value(scrape(limited_verifier.metrics_port), DROPPED) - dropped_before
+    assert dropped == pool.counts()["skipped"] - before["skipped"] > 0
+
+
+def _requests(verifier, code: str) -> float:
+    return series_value(scrape(verifier.metrics_port), f'rlep_verifier_requests_total{{code="{code}"}}')
+
+
+@pytest.mark.parametrize("ending", ["client cancels", "client deadline passes"])
+def test_work_of_an_abandoned_call_stops(limited_verifier, stub, ending):
+    pool = limited_verifier.pool
+    before = pool.counts()
+    ended = {
+        code: _requests(limited_verifier, code) for code in ("CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+    }
+    future = stub.Verify.future(BIG, timeout=60 if ending == "client cancels" else 0.5)
+    assert pool.wait_busy(0, timeout_s=30)  # the big call's items are being checked
+    if ending == "client cancels":
+        future.cancel()
+    else:
+        with pytest.raises(grpc.RpcError) as err:
+            future.result()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The server learns of it asynchronously; the call ends for the caller's reason, not the server's limit.
+    codes = ["CANCELLED"] if ending == "client cancels" else ["CANCELLED", "DEADLINE_EXCEEDED"]
+    assert _wait_for(lambda: sum(_requests(limited_verifier, c) - ended[c] for c in codes) == 1, timeout_s=10)
+    assert _requests(limited_verifier, "RESOURCE_EXHAUSTED") == ended["RESOURCE_EXHAUSTED"]
+    _assert_work_stopped(pool, stub, before, pool.counts(), len(BIG.items))
