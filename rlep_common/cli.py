@@ -7,7 +7,6 @@ the arguments are parsed, so `rlep --help` answers at once.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
@@ -87,15 +86,23 @@ def _resolve(
 ) -> Any:
     from rlep_common.config import load_config, parse_override
 
+    # Each flag sets only its own field; the rest of `server` keeps the service's defaults (load_config).
     overrides = dict(parse_override(s) for s in sets or [])
     flags = {
-        "server.host": host,
-        "server.port": port,
-        "server.auth_token_file": token,
-        "server.metrics_port": metrics_port,
+        "--host": ("server.host", host),
+        "--port": ("server.port", port),
+        "--auth-token-file": ("server.auth_token_file", token),
+        "--metrics-port": ("server.metrics_port", metrics_port),
     }
-    overrides.update({k: (str(v) if isinstance(v, Path) else v) for k, v in flags.items() if v is not None})
     config_cls = _load(SERVICES[service].config_class)
+    server_fields = config_cls.model_fields["server"].annotation.model_fields
+    for flag, (dotted, value) in flags.items():
+        if value is None:
+            continue
+        field = dotted.split(".")[1]
+        if field not in server_fields:
+            raise ValueError(f"{flag} does not apply to {service}: its server section has no {field} field")
+        overrides[dotted] = str(value) if isinstance(value, Path) else value
     return load_config(config_cls, config, overrides, env_prefix=service)
 
 
@@ -114,7 +121,9 @@ def _serve(
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         raise typer.BadParameter(str(err)) from err
     if dry_run:
-        typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
+        from rlep_common.config import dump_config_json
+
+        typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _load(SERVICES[service].serve_forever)(resolved)
@@ -169,7 +178,7 @@ def eval_command(
         str, typer.Option(help="Comma-separated built-in names or server-side file paths, each NAME or NAME:LIMIT.")
     ],
     n: Annotated[int, typer.Option(help="Samples per question.")] = 1,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.6,
+    temperature: Annotated[float, typer.Option(help="Temperature in [0, 2]; 0 is greedy, needs --n 1.")] = 0.6,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(help="New tokens per sample.")] = 1024,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,

@@ -3,13 +3,17 @@
 Precedence, lowest first: model defaults < YAML file < environment (`RLEP_<NAME>__a__b=value`,
 for Kubernetes) < command-line overrides (dotted paths, e.g. `server.port=50061`).
 Values from the environment and the command line are parsed as YAML scalars ("3" -> 3).
+A section that any layer sets only in part keeps its model default for the rest: replay's
+`server` defaults to port 50062, so `server.host=0.0.0.0` leaves the port at 50062.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,8 +27,36 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, validate_default=True)
 
 
-class ServerConfig(StrictModel):
-    """How a service listens. Shared by every gRPC service."""
+class TlsFiles(StrictModel):
+    """A listener's optional TLS certificate and key (PEM files, e.g. mounted from a Kubernetes Secret).
+
+    Shared by the gRPC services' `ServerConfig` and any HTTP listener (eval): both or neither.
+    """
+
+    tls_cert_file: Path | None = None
+    """PEM certificate chain. With `tls_key_file`, the port serves TLS only (plaintext clients are refused)."""
+    tls_key_file: Path | None = None
+    """PEM private key of `tls_cert_file`; set both or neither."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> TlsFiles:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both (TLS) or neither (plaintext)")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {path} does not exist")
+        return self
+
+    def read_tls_pair(self) -> tuple[bytes, bytes] | None:
+        """`(certificate_chain_pem, private_key_pem)`, or None when TLS is off."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return self.tls_cert_file.read_bytes(), self.tls_key_file.read_bytes()
+
+
+class ServerConfig(TlsFiles):
+    """How a service listens. Shared by every gRPC service; TLS (when set) covers the gRPC port and /metrics."""
 
     host: str = "127.0.0.1"
     """Address to bind. The default keeps the service on loopback; containers use 0.0.0.0."""
@@ -105,4 +137,70 @@ def load_config(
     for layer in layers:
         for dotted, value in layer.items():
             _set_dotted(data, dotted, value)
-    return cls.model_validate(data)
+    return cls.model_validate(_with_section_defaults(cls, data))
+
+
+def _with_section_defaults(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` where every section it sets in part is completed from that section's default instance.
+
+    Without this a partial section is validated from the sub-model's *field* defaults, dropping what
+    the parent's default instance set (replay's `ServerConfig(port=50062)` came back on port 0).
+    A section naming another variant (a different `type`) is left as given: the default's fields
+    would not fit it.
+    """
+    merged = dict(data)
+    for name, field in cls.model_fields.items():
+        key = field.alias or name
+        given, default = merged.get(key), field.default
+        if not isinstance(given, dict) or not isinstance(default, BaseModel):
+            continue
+        if "type" in given and given["type"] != getattr(default, "type", given["type"]):
+            continue
+        base = default.model_dump(exclude_unset=True)
+        merged[key] = _with_section_defaults(type(default), _deep_merge(base, given))
+    return merged
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        both_dicts = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _deep_merge(out[key], value) if both_dicts else value
+    return out
+
+
+MASK = "***"
+# Query parameters that carry credentials in the URLs we take (redis-py reads `?password=`).
+SECRET_QUERY_KEYS = ("password", "passwd", "token", "secret")
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of JSON-like `value` in which every URL's password (user-info or `?password=`) reads `***`."""
+    if isinstance(value, dict):
+        return {k: redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return _redact_url(value)
+    return value
+
+
+def _redact_url(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL after all (e.g. a bad port): leave it
+        return url
+    if password:
+        parts = parts._replace(netloc=f"{parts.username or ''}:{MASK}@{parts.netloc.rpartition('@')[2]}")
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        masked = [(k, MASK if any(s in k.lower() for s in SECRET_QUERY_KEYS) else v) for k, v in pairs]
+        if masked != pairs:
+            parts = parts._replace(query=urlencode(masked, safe="*"))
+    return urlunsplit(parts)
+
+
+def dump_config_json(config: BaseModel) -> str:
+    """The resolved config as indented JSON with URL passwords masked: what every `--dry-run` prints."""
+    return json.dumps(redact_secrets(config.model_dump(mode="json")), indent=2)

@@ -1,18 +1,19 @@
 """gRPC plumbing shared by every service: server assembly, bearer-token auth, client channels, retries.
 
 Every server gets the same things: health checking (`grpc.health.v1`), reflection, an optional
-bearer token on every RPC, and a bound on message size. Health checks are exempt from auth
-because Kubernetes' gRPC probes cannot send headers; they reveal nothing but "SERVING".
+bearer token on every RPC (rule: `rlep_common.auth.check_bearer`), optional TLS (`rlep_common.tls`),
+and a bound on message size. Health checks are exempt from auth because Kubernetes' gRPC probes
+cannot send headers; they reveal nothing but "SERVING".
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -22,7 +23,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlep_common.auth import check_bearer, grpc_authorization_values
 from rlep_common.config import ServerConfig
+from rlep_common.tls import channel_credentials, channel_tls_options, grpc_server_credentials, resolve_ca_file
 
 log = logging.getLogger(__name__)
 
@@ -35,33 +38,32 @@ CHANNEL_LIMIT_FACTOR = 2
 
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+    """Rejects calls whose `authorization` metadata fails `check_bearer` with UNAUTHENTICATED."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = deny
+        self._token = token
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        presented = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(presented, self._expected):
+        values = grpc_authorization_values(handler_call_details.invocation_metadata)
+        refusal = check_bearer(values, self._token)
+        if refusal is None:
             return continuation(handler_call_details)
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: deny(None, ctx))
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(self._deny)
+            return grpc.stream_unary_rpc_method_handler(deny)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self._deny(req, ctx))
-        return grpc.unary_unary_rpc_method_handler(self._deny)
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
@@ -128,7 +130,9 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    credentials = grpc_server_credentials(config)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     server.start()
@@ -182,15 +186,26 @@ class _Details(grpc.ClientCallDetails):
         self.compression = getattr(base, "compression", None)
 
 
-def make_channel(address: str, token: str | None = None, max_message_bytes: int = 256 * 1024 * 1024) -> grpc.Channel:
-    """An insecure channel (loopback / in-cluster) that sends the bearer token when given."""
-    channel = grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ],
-    )
+def make_channel(
+    address: str,
+    token: str | None = None,
+    max_message_bytes: int = 256 * 1024 * 1024,
+    tls_ca_file: Path | str | None = None,
+) -> grpc.Channel:
+    """A channel that sends the bearer token when given.
+
+    TLS when a CA bundle is named (`tls_ca_file`, else `$RLEP_TLS_CA_FILE`): the server's certificate
+    must chain to it and match the address's host name (or `$RLEP_TLS_SERVER_NAME`). Otherwise plaintext.
+    """
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    ca_file = resolve_ca_file(tls_ca_file)
+    if ca_file is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, channel_credentials(ca_file), options=options + channel_tls_options())
     if token:
         channel = grpc.intercept_channel(channel, _BearerClientInterceptor(token))
     return channel

@@ -9,13 +9,16 @@ from prometheus_client import CollectorRegistry
 
 from rlep_common.config import ServerConfig
 from rlep_common.metrics import MetricsServer
+from rlep_common.tls import server_ssl_context
 
 
 def start_metrics(registry: CollectorRegistry, config: ServerConfig) -> MetricsServer | None:
-    """Serves `registry` on the configured metrics port (same host, same token), or nothing."""
+    """Serves `registry` on the configured metrics port (same host, token and TLS as gRPC), or nothing."""
     if config.metrics_port is None:
         return None
-    return MetricsServer(registry, config.host, config.metrics_port, config.read_auth_token())
+    return MetricsServer(
+        registry, config.host, config.metrics_port, config.read_auth_token(), server_ssl_context(config)
+    )
 
 
 def wait_for_stop_signal() -> None:

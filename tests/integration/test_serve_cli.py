@@ -28,8 +28,8 @@ def rlep_command() -> list[str]:
     return [str(script)] if script.exists() else [shutil.which("rlep") or "rlep"]
 
 
-def wait_serving(port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    stub = health_pb2_grpc.HealthStub(make_channel(f"127.0.0.1:{port}"))
+def wait_serving(port: int, timeout_s: float = STARTUP_TIMEOUT_S, tls_ca_file: Path | None = None) -> None:
+    stub = health_pb2_grpc.HealthStub(make_channel(f"127.0.0.1:{port}", tls_ca_file=tls_ca_file))
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -59,6 +59,35 @@ def test_serve_verifier_process(tmp_path):
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert f"verifier listening on 127.0.0.1:{port}" in output
+
+
+def test_serve_verifier_over_tls(tmp_path, monkeypatch):
+    """TLS from the config, end to end: `rlep serve` with a certificate answers TLS clients on both ports."""
+    import ssl
+    import urllib.request
+
+    from rlep_common.tls import CA_FILE_ENV
+    from tests.integration.test_tls import self_signed
+
+    cert_file, key_file = self_signed(tmp_path)
+    port, metrics_port = free_port(), free_port()
+    sets = ["num_workers=1", f"server.tls_cert_file={cert_file}", f"server.tls_key_file={key_file}"]
+    command = [*rlep_command(), "serve", "verifier", "--port", str(port), "--metrics-port", str(metrics_port)]
+    command += [a for s in sets for a in ("--set", s)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_serving(port, tls_ca_file=cert_file)
+        monkeypatch.setenv(CA_FILE_ENV, str(cert_file))  # how every client (here VerifierClient) is told
+        with VerifierClient(f"localhost:{port}") as client:
+            [outcome] = client.verify([("\\boxed{2}", "2")])
+        assert outcome.verdict == Verdict.CORRECT
+        context = ssl.create_default_context(cafile=str(cert_file))
+        with urllib.request.urlopen(f"https://localhost:{metrics_port}/metrics", context=context, timeout=10) as r:
+            assert b"rlep_verifier_items_total" in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
 
 
 @pytest.mark.slow

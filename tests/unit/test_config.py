@@ -6,7 +6,15 @@ import pytest
 from pydantic import ValidationError
 
 from rlep_common.cli import SERVICES, _load
-from rlep_common.config import CONFIG_DIR, ServerConfig, StrictModel, load_config, parse_override
+from rlep_common.config import (
+    CONFIG_DIR,
+    ServerConfig,
+    StrictModel,
+    TlsFiles,
+    load_config,
+    parse_override,
+    redact_secrets,
+)
 from services.verifier.config import VerifierConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +58,7 @@ def test_unknown_keys_and_bad_values_are_rejected(tmp_path):
 
 
 def test_fields_are_documented():
-    for model in (ServerConfig, VerifierConfig):
+    for model in (ServerConfig, TlsFiles, VerifierConfig):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
 
@@ -60,3 +68,55 @@ def test_parse_override():
     assert parse_override("reward_wrong=-1.0") == ("reward_wrong", -1.0)
     with pytest.raises(ValueError, match="key.path=value"):
         parse_override("novalue")
+
+
+def test_a_partial_section_keeps_the_sections_defaults(tmp_path):
+    """Replay's `server` defaults to port 50062: setting only its host, from any layer, must not reset the port."""
+    from services.eval.config import EvalConfig
+    from services.replay.config import ReplayConfig
+
+    path = tmp_path / "r.yaml"
+    path.write_text("server:\n  host: 0.0.0.0\n")
+    from_file = load_config(ReplayConfig, path)
+    from_env = load_config(ReplayConfig, environ={"RLEP_REPLAY__SERVER__METRICS_PORT": "9"}, env_prefix="replay")
+    from_flag = load_config(ReplayConfig, overrides={"server.grpc_threads": 4})
+    assert (from_file.server.host, from_file.server.port) == ("0.0.0.0", 50062)
+    assert (from_env.server.metrics_port, from_env.server.port) == (9, 50062)
+    assert (from_flag.server.grpc_threads, from_flag.server.port) == (4, 50062)
+    # A default instance with a required field: setting a sibling alone used to fail ("addresses ... required").
+    eval_config = load_config(EvalConfig, overrides={"rollout.timeout_s": 5})
+    assert (eval_config.rollout.timeout_s, eval_config.rollout.addresses) == (5, ["127.0.0.1:50063"])
+
+
+def test_a_section_naming_another_variant_is_not_mixed_with_the_default():
+    from typing import Literal
+
+    class A(StrictModel):
+        type: Literal["a"] = "a"
+        only_a: int = 0
+
+    class B(StrictModel):
+        type: Literal["b"] = "b"
+        only_b: int = 0
+
+    class Root(StrictModel):
+        choice: A | B = A(only_a=3)
+
+    assert load_config(Root, overrides={"choice.type": "b"}).choice == B()
+    assert load_config(Root, overrides={"choice.type": "a"}).choice == A(only_a=3)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h:6379/0", "redis://user:***@h:6379/0"),
+        ("rediss://u:p%40ss@[::1]:6380", "rediss://u:***@[::1]:6380"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        ("redis://user@h/0", "redis://user@h/0"),
+        ("redis://h/0?password=pw&db=1", "redis://h/0?password=***&db=1"),
+        ("not a url @ all", "not a url @ all"),
+    ],
+)
+def test_redact_secrets_masks_url_passwords_only(value, shown):
+    assert redact_secrets({"a": [{"url": value}], "n": 3}) == {"a": [{"url": shown}], "n": 3}

@@ -165,6 +165,11 @@ def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path
     assert parsed["verifier"].server.host == "0.0.0.0" and parsed["verifier"].server.port == 50061
     assert parsed["replay"].server.metrics_port == 9462
     assert parsed["eval"].verifier.address == "rlep-verifier:50061"
+    [eval_container] = by_kind(manifests, "Deployment")["rlep-eval"]["spec"]["template"]["spec"]["containers"]
+    if "/data" in {m["mountPath"] for m in eval_container.get("volumeMounts", [])}:
+        assert parsed["eval"].allowed_roots == [Path("/data")], "eval must accept files on its data volume"
+    else:
+        assert "allowed_roots" not in files["eval.yaml"]
     assert parsed["train"].endpoints.replay == "rlep-replay:50062" and parsed["train"].metrics_port == 9464
     assert parsed["train"].metrics_host == "0.0.0.0" and str(parsed["train"].checkpoint.dir) == "/checkpoints"
 
@@ -179,11 +184,16 @@ def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
     assert service["apiVersion"] == "ray.io/v1"
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
     [app] = serve_config.applications
-    assert app.import_path == "services.rollout.ray_app:app_builder" and callable(app_builder)
+    assert app.import_path == "services.rollout.ray_app:app_builder"
     token = tmp_path / "token"
     token.write_text("x\n")
-    config = RolloutConfig.model_validate(local(yaml.safe_dump(app.args["config"]), token))
-    assert config.server.metrics_port == 9463
+    config = local(yaml.safe_dump(app.args["config"]), token)
+    # Build the application from the rendered args, as `serve deploy` does (binding it needs no cluster).
+    deployment = app_builder({**app.args, "config": config})._bound_deployment
+    assert deployment.num_replicas == app.args["num_replicas"]
+    assert deployment.ray_actor_options["num_cpus"] == float(app.args["num_cpus"])
+    assert deployment.init_args[1] == app.args["app_name"] == app.name
+    assert RolloutConfig.model_validate(deployment.init_args[0]).server.metrics_port == 9463
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
     [workers] = cluster["workerGroupSpecs"]

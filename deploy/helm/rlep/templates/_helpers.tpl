@@ -98,19 +98,58 @@ imagePullSecrets:
 - name: auth-token
   mountPath: /etc/rlep/secrets
   readOnly: true
+{{- include "rlep.tlsMount" . }}
 {{- end -}}
 
-{{/* A gRPC Deployment's probes: the health service needs no token. Argument: the gRPC port. */}}
+{{/* TLS (values `tls`): the Secret's files in every RLEP container, the server fields that turn it on
+and the client variables (rlep_common/tls.py). Each renders nothing while tls.secretName is empty. */}}
+{{- define "rlep.tlsMount" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: /etc/rlep/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "rlep.tlsVolume" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- end -}}
+
+{{/* As YAML, for `fromYaml`: merge into a config's `server`. */}}
+{{- define "rlep.tlsServerFields" -}}
+{{- if .Values.tls.secretName }}
+tls_cert_file: /etc/rlep/tls/tls.crt
+tls_key_file: /etc/rlep/tls/tls.key
+{{- end }}
+{{- end -}}
+
+{{- define "rlep.tlsEnv" -}}
+{{- if .Values.tls.secretName }}
+{{- if not .Values.tls.serverName }}
+{{- fail "tls.secretName is set but tls.serverName is empty: name the certificate's DNS name (pods are dialled by IP)" }}
+{{- end }}
+- { name: RLEP_TLS_CA_FILE, value: /etc/rlep/tls/ca.crt }
+- { name: RLEP_TLS_SERVER_NAME, value: {{ .Values.tls.serverName | quote }} }
+{{- end }}
+{{- end -}}
+
+{{/* A gRPC Deployment's probes: the health service needs no token. Argument: (dict "port" 50061 "tls" bool).
+The kubelet's gRPC probe speaks plaintext only, so with TLS the probes check that the port accepts connections. */}}
 {{- define "rlep.grpcProbes" -}}
+{{- $probe := ternary (dict "tcpSocket" (dict "port" .port)) (dict "grpc" (dict "port" .port)) .tls }}
 startupProbe:
-  grpc: { port: {{ . }} }
+  {{- toYaml $probe | nindent 2 }}
   periodSeconds: 5
   failureThreshold: 60
 readinessProbe:
-  grpc: { port: {{ . }} }
+  {{- toYaml $probe | nindent 2 }}
   periodSeconds: 10
 livenessProbe:
-  grpc: { port: {{ . }} }
+  {{- toYaml $probe | nindent 2 }}
   periodSeconds: 20
   failureThreshold: 3
 {{- end -}}
@@ -133,12 +172,18 @@ The pod needs the volumes from "rlep.resolveVolumes"; the main container reads /
     - --key={{ .key }}
     - --base=/etc/rlep/config/{{ .config }}
     - --out=/run/rlep/{{ .config }}
+  {{- with include "rlep.tlsEnv" .root | fromYamlArray }}
+  # It health-checks the replicas (over TLS when on) before writing their addresses.
+  env:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   securityContext:
     {{- toYaml .root.Values.securityContext | nindent 4 }}
   volumeMounts:
     - { name: config, mountPath: /etc/rlep/config, readOnly: true }
     - { name: scripts, mountPath: /etc/rlep/scripts, readOnly: true }
     - { name: resolved, mountPath: /run/rlep }
+    {{- include "rlep.tlsMount" .root | nindent 4 }}
 {{- end -}}
 
 {{- define "rlep.resolveVolumes" -}}

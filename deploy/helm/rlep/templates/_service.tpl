@@ -45,7 +45,7 @@ spec:
             - serve
             - {{ .name }}
             - --config={{ .configPath | default (printf "/etc/rlep/config/%s.yaml" .name) }}
-          {{- with .env }}
+          {{- with concat (.env | default list) (include "rlep.tlsEnv" $root | fromYamlArray) }}
           env:
             {{- toYaml . | nindent 12 }}
           {{- end }}
@@ -60,7 +60,7 @@ spec:
             - { name: http, containerPort: {{ .httpPort }} }
             {{- end }}
           {{- if .grpcPort }}
-          {{- include "rlep.grpcProbes" .grpcPort | nindent 10 }}
+          {{- include "rlep.grpcProbes" (dict "port" .grpcPort "tls" (not (empty $root.Values.tls.secretName))) | nindent 10 }}
           {{- else }}
           startupProbe:
             httpGet: { path: /healthz, port: http }
@@ -85,6 +85,7 @@ spec:
       volumes:
         {{- include "rlep.configVolume" $root | nindent 8 }}
         {{- include "rlep.tokenVolume" $root | nindent 8 }}
+        {{- include "rlep.tlsVolume" $root | nindent 8 }}
         {{- with .extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -1,0 +1,78 @@
+"""The Helm chart with `tls` on: servers get the certificate from the Secret, clients the CA, probes and the
+ServiceMonitor still work, and every manifest still validates."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.unit.test_helm_chart import KUBE_VERSION, by_kind, pod_templates, render
+
+TLS_VALUES = {"tls": {"secretName": "rlep-tls", "serverName": "rlep.internal"}, "auth": {"token": "t"}}
+TLS_VALUES["monitoring"] = {"serviceMonitor": {"enabled": True}}
+TLS_DIR = "/etc/rlep/tls"
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict]:
+    return render(TLS_VALUES)
+
+
+def test_tls_manifests_validate(docs):
+    import kubernetes_validate
+
+    for doc in docs:
+        if doc["kind"] not in ("RayService", "ServiceMonitor"):
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_servers_read_the_certificate_the_pods_mount(docs, tmp_path):
+    from rlep_common.config import ServerConfig
+
+    for name in ("tls.crt", "tls.key"):
+        (tmp_path / name).write_text("pem")
+    files = by_kind(docs, "ConfigMap")["rlep-config"]["data"]
+    [rayservice] = by_kind(docs, "RayService").values()
+    [app] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    servers = {
+        "verifier": yaml.safe_load(files["verifier.yaml"])["server"],
+        "replay": yaml.safe_load(files["replay.yaml"])["server"],
+        "rollout": app["args"]["config"]["server"],
+    }
+    for service, server in servers.items():
+        assert (server["tls_cert_file"], server["tls_key_file"]) == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+        local = {k: v.replace(TLS_DIR, str(tmp_path)) for k, v in server.items() if k.startswith("tls_")}
+        assert ServerConfig(**local).read_tls_pair() == (b"pem", b"pem"), service
+
+
+def test_every_rlep_container_mounts_the_secret_and_trusts_its_ca(docs):
+    for template in pod_templates(docs):
+        spec = template["spec"]
+        if template["metadata"]["labels"].get("app.kubernetes.io/component") == "redis":
+            continue
+        assert {"name": "tls", "secret": {"secretName": "rlep-tls"}} in spec["volumes"]
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in container["volumeMounts"]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env["RLEP_TLS_CA_FILE"] == f"{TLS_DIR}/ca.crt", container["name"]
+            assert env["RLEP_TLS_SERVER_NAME"] == "rlep.internal", container["name"]
+
+
+def test_probes_and_scrapes_work_with_tls(docs):
+    # The kubelet's gRPC probe cannot speak TLS: a gRPC probe would fail every pod.
+    [container] = by_kind(docs, "Deployment")["rlep-verifier"]["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": 50061} and "grpc" not in container["readinessProbe"]
+    [monitor] = by_kind(docs, "ServiceMonitor").values()
+    endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
+    assert endpoints["metrics"]["scheme"] == "https"
+    assert endpoints["metrics"]["tlsConfig"]["serverName"] == "rlep.internal"
+    assert "scheme" not in endpoints["metrics-plain"]  # the learner's /metrics has no TLS yet
+    learner_ports = [p["name"] for p in by_kind(docs, "Service")["rlep-learner"]["spec"]["ports"]]
+    assert learner_ports == ["metrics-plain"]
+
+
+def test_tls_without_a_server_name_fails_with_a_clear_message():
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="tls.serverName is empty"):
+        render({"tls": {"secretName": "rlep-tls"}})
