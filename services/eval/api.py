@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.eval.core import CURRENT_POLICY
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+# vLLM's own bounds (vllm/sampling_params.py `_verify_args`), checked here so that a request vLLM would refuse
+# is refused at submission with the reason, never sent to the rollout deployment.
+MAX_TEMPERATURE = 2.0
+GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature, and then refuses n > 1
+VLLM_MAX_N = 16384
 
 
 class JobStatus(StrEnum):
@@ -40,15 +46,26 @@ class EvaluationRequest(BaseModel):
     an HF directory with *.safetensors or one .safetensors file, pushed to eval's own rollout deployment."""
     datasets: list[DatasetRequest] = Field(min_length=1)
     """Evaluated in this order."""
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=VLLM_MAX_N)
     """Samples per question (at most the server's limits.max_n)."""
-    temperature: float = Field(0.6, ge=0, le=100, allow_inf_nan=False)
-    """0 = greedy."""
+    temperature: float = Field(0.6, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    """Sampling temperature in [0, 2]. 0 (anything below 1e-5) decodes greedily: every sample would be the same
+    response, so it takes n = 1."""
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1] (1 = off)."""
     max_tokens: int = Field(1024, ge=1)
-    """New tokens per sample; prompt + max_tokens must fit the model."""
+    """New tokens per sample (at most the server's limits.max_tokens); prompt + max_tokens must fit the model."""
     seed: int | None = Field(0, ge=0, le=2**63 - 1)
     """Sampling seed (reproducible results); null for fresh randomness."""
+
+    @model_validator(mode="after")
+    def _greedy_takes_one_sample(self) -> EvaluationRequest:
+        if self.temperature < GREEDY_BELOW and self.n > 1:
+            raise ValueError(
+                f"temperature={self.temperature:g} is greedy decoding (below {GREEDY_BELOW:g}): all n={self.n} samples "
+                "would be the same response; use n=1, or a temperature above 0 to sample n responses"
+            )
+        return self
 
 
 class Progress(BaseModel):

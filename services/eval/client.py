@@ -7,12 +7,15 @@ queue a job twice. A 4xx is the caller's mistake and raises `EvalApiError` with 
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rlep_common.tls import resolve_ca_file
 from services.eval.api import TERMINAL_STATUSES, EvaluationJob, EvaluationRequest, JobList, JobStatus
 
 # Every endpoint answers from Redis (a submission also reads its datasets): seconds at most.
@@ -39,9 +42,18 @@ def _detail(response: httpx.Response) -> Any:
 class EvalClient:
     """`EvalClient("http://127.0.0.1:8080", token).submit(EvaluationRequest(...))`."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        tls_ca_file: Path | str | None = None,
+    ):
+        """An https `base_url` is verified against `tls_ca_file`, else `$RLEP_TLS_CA_FILE`, else the system CAs."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        ca_file = resolve_ca_file(tls_ca_file)
+        verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, verify=verify)
 
     def close(self) -> None:
         self._http.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from rlep_common.config import StrictModel
+from rlep_common.config import StrictModel, TlsFiles
 
 DEFAULT_PORT = 8080
 
@@ -42,9 +42,10 @@ class _WithTokenFile(StrictModel):
         return read_token_file(self.auth_token_file)
 
 
-class HttpServerConfig(_WithTokenFile):
+class HttpServerConfig(_WithTokenFile, TlsFiles):
     """How the REST API listens. With `auth_token_file`, everything but /healthz and the API docs
-    (/openapi.json, /docs) needs `Authorization: Bearer <token>`, /metrics included."""
+    (/openapi.json, /docs) needs `Authorization: Bearer <token>`, /metrics included. With `tls_cert_file` and
+    `tls_key_file`, the port speaks HTTPS only."""
 
     host: str = "127.0.0.1"
     """Address to bind. The default keeps the service on loopback; containers use 0.0.0.0."""
@@ -81,6 +82,9 @@ class EvalLimits(StrictModel):
     """Questions x n per job."""
     max_tokens: int = Field(32768, ge=1)
     """Largest `max_tokens` (new tokens per sample)."""
+    max_job_tokens: int = Field(100_000_000, ge=1)
+    """Questions x n x max_tokens per job: the most new tokens one job may ask of the rollout deployment, which it
+    shares with training (1e8 is about 1.4 h of a GPU replica at 20k tokens/s)."""
     max_datasets: int = Field(16, ge=1)
     """Datasets per job."""
     max_queued_jobs: int = Field(100, ge=1)
@@ -103,9 +107,10 @@ class EvalConfig(StrictModel):
     """Scores every response."""
     limits: EvalLimits = EvalLimits()
     """Bounds on one job."""
-    allowed_roots: list[Path] | None = None
-    """Directories that user dataset files and checkpoints must lie under; None allows any path the service can
-    read (fine behind a token on a private network; set it when untrusted users can submit)."""
+    allowed_roots: list[Path] = Field(default_factory=lambda: [Path.cwd()])
+    """Directories that user dataset files and checkpoints must lie under (default: the service's working
+    directory; [] allows the built-in sets only). A path elsewhere gets the same answer as a missing one, so a
+    request cannot probe which files exist on the server."""
     questions_per_call: int = Field(32, ge=1, le=4096)
     """Questions per Generate call. Progress, metrics and cancellation advance at this granularity."""
     lease_s: float = Field(30.0, ge=1.0, le=3600)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -80,11 +81,18 @@ USER_FILE_SUFFIXES = (".jsonl", ".parquet")
 
 
 def _jsonl_questions(
-    path: Path, source: str, problem_fields: Sequence[str], read_answer: Callable[[Any], str]
+    path: Path,
+    source: str,
+    problem_fields: Sequence[str],
+    read_answer: Callable[[Any], str],
+    limit: int | None = None,
 ) -> list[Question]:
+    """The first `limit` questions of a .jsonl file; reading stops there (a submission costs what it asks for)."""
     questions = []
     with path.open(encoding="utf-8") as lines:
         for line_no, line in enumerate(lines, 1):
+            if limit is not None and len(questions) >= limit:
+                break
             if not line.strip():
                 continue
             try:
@@ -102,12 +110,21 @@ def _jsonl_questions(
     return questions
 
 
-def _parquet_questions(path: Path, source: str) -> list[Question]:
-    """verl's schema: `prompt` (chat messages, or a string) and `reward_model.ground_truth`."""
+def _parquet_questions(path: Path, source: str, limit: int | None = None) -> list[Question]:
+    """verl's schema: `prompt` (chat messages, or a string) and `reward_model.ground_truth`. Reads the first
+    `limit` rows only (whole record batches of them)."""
     import pyarrow.parquet as pq
 
     try:
-        rows = pq.read_table(path, columns=["prompt", "reward_model"]).to_pylist()
+        file, rows = pq.ParquetFile(path), []
+        missing = {"prompt", "reward_model"} - set(file.schema_arrow.names)
+        if missing:  # iter_batches would leave them out without a word
+            raise ValueError(f"no {', '.join(sorted(missing))} column")
+        for batch in file.iter_batches(batch_size=1024, columns=["prompt", "reward_model"]):
+            rows.extend(batch.to_pylist())
+            if limit is not None and len(rows) >= limit:
+                break
+        rows = rows[:limit]
     except Exception as err:  # pyarrow raises several types for unreadable files and missing columns
         raise DatasetError(f"{source}: not a verl parquet file with prompt and reward_model columns ({err})") from err
     questions = []
@@ -132,18 +149,34 @@ def _builtin_questions(name: str) -> tuple[Question, ...]:
 
 
 def resolve_user_path(text: str, allowed_roots: Iterable[Path] | None, what: str) -> Path:
-    """An existing path named by a request, inside `allowed_roots` when they are given."""
+    """An existing path named by a request, inside `allowed_roots` (None: anywhere; library use only).
+
+    A path outside the roots gets the very message a missing one gets, and is refused before the file
+    system is asked anything about it (the lexical check comes first), so requests cannot learn which
+    files exist elsewhere on the server. The resolved path is checked again: a symlink may lead out.
+    """
+    unavailable = f"{what} {text!r} does not exist on the eval server under its allowed directories"
     try:
-        path = Path(text).expanduser().resolve()
+        lexical = Path(os.path.abspath(Path(text).expanduser()))
+        roots = None if allowed_roots is None else _root_spellings(allowed_roots)
+        if roots is not None and not any(lexical.is_relative_to(root) for root in roots):
+            raise DatasetError(unavailable)
+        path = lexical.resolve()
         exists = path.exists()
     except (OSError, ValueError, RuntimeError) as err:  # NUL bytes, too long, symlink loops
+        if isinstance(err, DatasetError):
+            raise
         raise DatasetError(f"{what} {text!r} is not a usable path ({err})") from err
-    roots = None if allowed_roots is None else [Path(r).resolve() for r in allowed_roots]
     if roots is not None and not any(path.is_relative_to(root) for root in roots):
-        raise DatasetError(f"{what} {text!r} is outside the allowed directories")
+        raise DatasetError(unavailable)
     if not exists:
-        raise DatasetError(f"{what} {text!r} does not exist on the eval server")
+        raise DatasetError(unavailable)
     return path
+
+
+def _root_spellings(roots: Iterable[Path]) -> set[Path]:
+    """Each root as written (absolute) and with its symlinks resolved: a request may name either."""
+    return {spelling for root in roots for spelling in (Path(os.path.abspath(root)), Path(root).resolve())}
 
 
 def load_dataset(name: str, limit: int | None = None, allowed_roots: Iterable[Path] | None = None) -> list[Question]:
@@ -155,9 +188,9 @@ def load_dataset(name: str, limit: int | None = None, allowed_roots: Iterable[Pa
         if not path.is_file():
             raise DatasetError(f"dataset file {name!r} is not a file")
         if path.suffix == ".jsonl":
-            questions = _jsonl_questions(path, name, ("problem", "question"), plain_answer)
+            questions = _jsonl_questions(path, name, ("problem", "question"), plain_answer, limit)
         else:
-            questions = _parquet_questions(path, name)
+            questions = _parquet_questions(path, name, limit)
     else:
         raise DatasetError(
             f"unknown dataset {name!r}: use a built-in one ({', '.join(BUILTIN_DATASETS)}) "

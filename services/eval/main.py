@@ -12,6 +12,7 @@ import uvicorn
 
 from rlep_common.lifecycle import wait_for_stop_signal
 from rlep_common.metrics import service_registry
+from rlep_common.tls import uvicorn_ssl_kwargs
 from services.eval.config import EvalConfig
 from services.eval.runner import Backends, JobRunner
 from services.eval.server import EvalMetrics, create_app
@@ -32,6 +33,7 @@ class RunningEval:
     thread: threading.Thread
     host: str
     port: int
+    scheme: str  # "https" when the port serves TLS
     store: JobStore
     runner: JobRunner
     backends: Backends
@@ -39,7 +41,7 @@ class RunningEval:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.runner.stop(grace_s)
@@ -88,7 +90,8 @@ def start_eval(config: EvalConfig) -> RunningEval:
     runner.reap_dead_jobs()
     app = create_app(config, store, metrics, registry, runner.wake)
     sock = _listen(config.server.host, config.server.port)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    tls = uvicorn_ssl_kwargs(config.server)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **tls))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="eval-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -97,7 +100,8 @@ def start_eval(config: EvalConfig) -> RunningEval:
             raise RuntimeError(f"the eval HTTP server did not start on {config.server.host}:{config.server.port}")
         time.sleep(0.02)
     runner.start()
-    return RunningEval(http, thread, config.server.host, sock.getsockname()[1], store, runner, backends)
+    scheme = "https" if tls else "http"
+    return RunningEval(http, thread, config.server.host, sock.getsockname()[1], scheme, store, runner, backends)
 
 
 def serve_forever(config: EvalConfig) -> None:

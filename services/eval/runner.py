@@ -4,8 +4,9 @@ One worker thread per service process runs one job at a time (a checkpoint job o
 deployment while it runs, so jobs must not interleave there). A keeper thread renews the running job's
 lease and fails jobs whose service died (expired lease). A job advances a chunk of
 `questions_per_call` questions at a time: generate, verify, score, save progress. Cancellation and
-shutdown take effect at the next chunk boundary; on shutdown the running job goes back to the head of the
-queue and starts over when a service (this one restarted, or another replica) is up.
+shutdown take effect at the next chunk boundary (the Generate call in flight runs to its end, but its
+responses are not verified); on shutdown the running job goes back to the head of the queue and starts
+over when a service (this one restarted, or another replica) is up.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from services.eval.core import (
 )
 from services.eval.store import JobStore, new_attempt
 from services.rollout.client import RolloutClient
-from services.rollout.types import Sampling
+from services.rollout.types import Completion, Sampling
 from services.verifier.client import VerifierClient
 
 log = logging.getLogger(__name__)
@@ -194,8 +195,13 @@ class JobRunner:
         progress = job.progress.model_copy(update={"questions_done": 0, "samples_done": 0})
         results: list[DatasetResult] = []
         versions: set[int] = set() if pushed_version is None else {pushed_version}
+        # The job runs at most the questions checked at submission, even if a user file has grown since.
+        budget = job.progress.questions_total
         for spec in request.datasets:
-            questions = load_dataset(spec.name, spec.limit, self._config.allowed_roots)
+            if budget <= 0:
+                break
+            questions = load_dataset(spec.name, min(spec.limit or budget, budget), self._config.allowed_roots)
+            budget -= len(questions)
             tally = DatasetTally()
             results.append(_result(spec.name, len(questions), tally))
             progress.current_dataset = spec.name
@@ -203,7 +209,11 @@ class JobRunner:
                 if self._stopping.is_set():
                     raise JobAbandoned()
                 chunk = questions[start : start + self._config.questions_per_call]
-                seen = self._score_chunk(rollout, sampling, chunk, tally)
+                completions = rollout.generate([q.messages for q in chunk], sampling)
+                # A job cancelled while its chunk was generating must not cost verifier time as well.
+                if not self._store.renew_lease(job.id, attempt, self._config.lease_s):
+                    raise JobAbandoned()
+                seen = self._score_chunk(chunk, completions, tally)
                 if pushed_version is not None and seen != {pushed_version}:
                     raise RuntimeError(
                         f"samples came from policy versions {sorted(seen)}, not the pushed checkpoint "
@@ -233,11 +243,8 @@ class JobRunner:
         log.info("checkpoint %s pushed to eval's rollout deployment as version %d", model, version)
         return target, version
 
-    def _score_chunk(
-        self, rollout: RolloutClient, sampling: Sampling, chunk: list[Question], tally: DatasetTally
-    ) -> set[int]:
-        """Samples, verifies and scores one chunk of questions into `tally`; returns the policy versions seen."""
-        completions = rollout.generate([q.messages for q in chunk], sampling)
+    def _score_chunk(self, chunk: list[Question], completions: list[Completion], tally: DatasetTally) -> set[int]:
+        """Verifies and scores one chunk of questions into `tally`; returns the policy versions seen."""
         items = [(s.text, q.ground_truth) for q, c in zip(chunk, completions, strict=True) for s in c.samples]
         outcomes = iter(self._backends.verifier.verify(items))
         versions: set[int] = set()

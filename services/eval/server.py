@@ -6,7 +6,6 @@ with the reason before anything is queued; jobs live in `JobStore` and run in `J
 
 from __future__ import annotations
 
-import hmac
 import math
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlep_common.auth import check_bearer
 from services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
 from services.eval.config import EvalConfig
 from services.eval.core import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
@@ -77,11 +77,23 @@ def validate_request(request: EvaluationRequest, config: EvalConfig) -> Progress
         if config.checkpoint_rollout is None:
             raise ValueError(f"this eval service evaluates only model={CURRENT_POLICY!r} (no checkpoint_rollout)")
         checkpoint_files(request.model, config.allowed_roots)
-    total = sum(len(load_dataset(d.name, d.limit, config.allowed_roots)) for d in request.datasets)
-    if total > limits.max_questions:
-        raise ValueError(f"{total} questions: this server takes at most {limits.max_questions} per job")
+    total = 0
+    for dataset in request.datasets:
+        # Reading stops one question past the limit: a huge file costs no more than a refusal needs.
+        budget = limits.max_questions - total + 1
+        total += len(load_dataset(dataset.name, min(dataset.limit or budget, budget), config.allowed_roots))
+        if total > limits.max_questions:
+            raise ValueError(
+                f"over {limits.max_questions} questions: this server takes at most {limits.max_questions} per job"
+            )
     if total * request.n > limits.max_samples:
         raise ValueError(f"{total} questions x n={request.n} is above this server's limit of {limits.max_samples}")
+    tokens = total * request.n * request.max_tokens
+    if tokens > limits.max_job_tokens:
+        raise ValueError(
+            f"{total} questions x n={request.n} x max_tokens={request.max_tokens} = {tokens} new tokens is above this "
+            f"server's limit of {limits.max_job_tokens} per job (limits.max_job_tokens): ask for fewer"
+        )
     return Progress(questions_total=total)
 
 
@@ -104,15 +116,17 @@ BEARER = HTTPBearer(auto_error=False, description="The token in the service's au
 
 
 class TokenCheck:
-    """A route dependency: 401 unless the request carries `Authorization: Bearer <token>`."""
+    """A route dependency: 401 unless the request carries exactly one `Authorization: Bearer <token>` header
+    (the rule every RLEP transport shares: rlep_common.auth)."""
 
     def __init__(self, token: str):
-        self._expected = token.encode()
+        self._expected = token
 
-    def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
-        presented = credentials.credentials.encode() if credentials else b""
-        if not hmac.compare_digest(presented, self._expected):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    def __call__(self, request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        # BEARER only documents the scheme in the OpenAPI schema: it reads one header and would hide a second.
+        refused = check_bearer(request.headers.getlist("authorization"), self._expected)
+        if refused is not None:
+            raise HTTPException(401, refused, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _errors(*codes: int) -> dict:

@@ -22,8 +22,9 @@ import uuid
 from collections.abc import Iterable
 
 import redis
+from pydantic import ValidationError
 
-from services.eval.api import DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
+from services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
 
 _TRANSITION = """
 local p, id, attempt, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -220,11 +221,22 @@ def _float_or_none(text: str | None) -> float | None:
     return float(text) if text else None
 
 
+def _stored_request(text: str) -> EvaluationRequest:
+    """A job's request as stored. Jobs outlive upgrades: one accepted under looser rules than today's (e.g. a
+    temperature vLLM refuses) is still shown as it was, not turned into a 500 for every listing."""
+    try:
+        return EvaluationRequest.model_validate_json(text)
+    except ValidationError:
+        data = json.loads(text)
+        datasets = [DatasetRequest.model_validate(d) for d in data.pop("datasets")]
+        return EvaluationRequest.model_construct(**data, datasets=datasets)
+
+
 def _job_from_hash(job_id: str, fields: dict[str, str]) -> EvaluationJob:
     return EvaluationJob(
         id=job_id,
         status=JobStatus(fields["status"]),
-        request=EvaluationRequest.model_validate_json(fields["request"]),
+        request=_stored_request(fields["request"]),
         created_at=float(fields["created_at"]),
         started_at=_float_or_none(fields.get("started_at")),
         finished_at=_float_or_none(fields.get("finished_at")),

@@ -2,6 +2,7 @@
 
 import json
 import random
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -136,18 +137,41 @@ def test_verl_parquet_keeps_its_prompt_as_is(tmp_path):
         load_dataset(str(path))
 
 
+UNAVAILABLE = "does not exist on the eval server under its allowed directories"
+
+
 def test_allowed_roots_confine_user_files_and_checkpoints(tmp_path):
     inside, outside = tmp_path / "data", tmp_path / "elsewhere"
     inside.mkdir(), outside.mkdir()
     for folder in (inside, outside):
         (folder / "q.jsonl").write_text('{"problem": "p", "answer": 1}\n')
+    (inside / "link.jsonl").symlink_to(outside / "q.jsonl")
+    (outside / "model.safetensors").write_bytes(b"x")
     assert load_dataset(str(inside / "q.jsonl"), allowed_roots=[inside])
-    with pytest.raises(DatasetError, match="outside the allowed directories"):
-        load_dataset(str(outside / "q.jsonl"), allowed_roots=[inside])
-    with pytest.raises(DatasetError, match="outside the allowed directories"):
-        load_dataset(str(inside / ".." / "elsewhere" / "q.jsonl"), allowed_roots=[inside])
-    with pytest.raises(DatasetError, match="outside"):
-        checkpoint_files(str(outside), allowed_roots=[inside])
+    # Outside, through "..", through a symlink, or missing: one answer, so existence cannot be probed.
+    for name in (outside / "q.jsonl", f"{inside}/../elsewhere/q.jsonl", inside / "link.jsonl", outside / "no.jsonl"):
+        with pytest.raises(DatasetError) as err:
+            load_dataset(str(name), allowed_roots=[inside])
+        assert str(err.value) == f"dataset file {str(name)!r} {UNAVAILABLE}"
+    for model in (outside, outside / "model.safetensors", outside / "missing"):
+        with pytest.raises(DatasetError) as err:
+            checkpoint_files(str(model), allowed_roots=[inside])
+        assert str(err.value) == f"model {str(model)!r} {UNAVAILABLE}"
+    with pytest.raises(DatasetError, match=UNAVAILABLE):  # no roots: built-in sets only
+        load_dataset(str(inside / "q.jsonl"), allowed_roots=[])
+    assert len(load_dataset("amc23", allowed_roots=[])) == 40
+
+
+def test_the_service_confines_user_files_to_its_working_directory_by_default(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    roots = EvalConfig().allowed_roots
+    assert roots == [tmp_path / "work"]
+    (tmp_path / "work" / "q.jsonl").write_text('{"problem": "p", "answer": 1}\n')
+    (tmp_path / "other.jsonl").write_text('{"problem": "p", "answer": 1}\n')
+    assert len(load_dataset("q.jsonl", allowed_roots=roots)) == 1
+    with pytest.raises(DatasetError, match=UNAVAILABLE):
+        load_dataset(str(tmp_path / "other.jsonl"), allowed_roots=roots)
 
 
 def test_checkpoint_files_want_safetensors(tmp_path):
@@ -204,11 +228,30 @@ def test_tally_figures_and_their_bounds():
     rng = random.Random(0)
     for _ in range(200):
         tally, n = DatasetTally(), rng.randint(1, 6)  # one n per job, as the service samples
-        for _ in range(rng.randint(1, 5)):
-            tally.add(score_question([sample(rng.choice(list(Verdict)), rng.choice(["1", "2", ""])) for _ in range(n)]))
+        questions = [
+            [(rng.choice(list(Verdict)), rng.choice(["1", "2", ""])) for _ in range(n)]
+            for _ in range(rng.randint(1, 5))
+        ]
+        for drawn in questions:
+            tally.add(score_question([sample(verdict, answer) for verdict, answer in drawn]))
         s = tally.summary()
-        assert 0 <= s["avg_at_n"] <= s["pass_at_n"] <= 1 and 0 <= s["maj_at_n"] <= s["pass_at_n"]
-        assert sum(s["verdicts"].values()) == s["samples"]
+        # The same figures counted directly from the draws.
+        correct = [[v == Verdict.CORRECT for v, _ in drawn] for drawn in questions]
+        assert s["avg_at_n"] == sum(map(sum, correct)) / (n * len(questions))
+        assert s["pass_at_n"] == sum(map(any, correct)) / len(questions)
+        assert s["maj_at_n"] == sum(map(_majority_is_right, questions)) / len(questions)
+        assert s["verdicts"] == dict(Counter(str(v) for drawn in questions for v, _ in drawn))
+
+
+def _majority_is_right(drawn: list[tuple[Verdict, str]]) -> bool:
+    """Independent majority rule for the draws above ("1", "2" or no answer): the most frequent answer among
+    parseable samples (ties: seen first) is right when a sample carrying it was judged correct."""
+    votes = [(v, a) for v, a in drawn if v != Verdict.UNPARSEABLE and a]
+    if not votes:
+        return False
+    answers = [a for _, a in votes]
+    winner = max(dict.fromkeys(answers), key=answers.count)  # dict keeps first-seen order; max keeps the first tie
+    return any(v == Verdict.CORRECT for v, a in votes if a == winner)
 
 
 def test_parse_datasets_reads_optional_limits():
@@ -224,3 +267,23 @@ def test_eval_config_is_documented_and_keeps_the_training_policy_safe():
     with pytest.raises(ValidationError, match="replace the policy being trained"):
         EvalConfig(rollout={"addresses": ["a:1", "b:2"]}, checkpoint_rollout={"addresses": ["b:2"]})
     EvalConfig(rollout={"addresses": ["a:1"]}, checkpoint_rollout={"addresses": ["b:2"]})
+
+
+def test_reading_a_user_file_stops_at_the_limit(tmp_path):
+    """A submission reads only the questions it asks for: a bad row past `limit` is never reached."""
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text('{"problem": "a", "answer": 1}\n{"problem": "b", "answer": 2}\n{oops\n')
+    assert [q.ground_truth for q in load_dataset(str(jsonl), limit=2)] == ["1", "2"]
+    with pytest.raises(DatasetError, match="line 3 is not JSON"):
+        load_dataset(str(jsonl))
+    parquet = tmp_path / "q.parquet"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{i}?"}], "reward_model": {"ground_truth": str(i)}}
+        for i in range(3000)
+    ]
+    rows[2500]["reward_model"]["ground_truth"] = None
+    _write_verl(parquet, rows)
+    assert [q.ground_truth for q in load_dataset(str(parquet), limit=3)] == ["0", "1", "2"]
+    assert len(load_dataset(str(parquet), limit=2000)) == 2000
+    with pytest.raises(DatasetError, match="row 2500: reward_model.ground_truth"):
+        load_dataset(str(parquet))
