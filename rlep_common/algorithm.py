@@ -47,12 +47,19 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> T
     Returns:
         `[N]` float: `(r - mean_g) / (std_g + eps)` with the unbiased std of the group; a group of
         one uses mean 0 and std 1, as verl does. Groups whose rewards are all equal get 0.
+
+    Raises:
+        NonFiniteError: a reward is NaN or infinite (one such reward would make its whole group NaN),
+            or an advantage came out non-finite; the message gives the first offending index.
     """
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must be 1-D of one length, got {rewards.shape}, {group_ids.shape}")
     if rewards.numel() == 0:
         return rewards.clone()
-    rewards = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    _check_finite(rewards.to(out_dtype), group_ids, "reward")
+    # Statistics in float64: squares of large float32 rewards would overflow to inf and zero the group.
+    rewards = rewards.to(torch.float64)
     _, group_index = torch.unique(group_ids, return_inverse=True)  # [N] in 0..K-1
     num_groups = int(group_index.max()) + 1
     counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
@@ -65,7 +72,31 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> T
     singleton = counts[group_index] == 1
     mean = torch.where(singleton, torch.zeros_like(rewards), means[group_index])
     std = torch.where(singleton, torch.ones_like(rewards), stds[group_index])
-    return (rewards - mean) / (std + eps)
+    advantages = ((rewards - mean) / (std + eps)).to(out_dtype)
+    _check_finite(advantages, group_ids, "advantage")
+    return advantages
+
+
+class NonFiniteError(ValueError):
+    """A reward or an advantage is NaN or infinite: training on it would poison the whole update.
+
+    `index` is the first offending position, so a caller can name the trajectory behind it.
+    """
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def _check_finite(values: Tensor, group_ids: Tensor, what: str) -> None:
+    bad = (~torch.isfinite(values)).nonzero().flatten()
+    if bad.numel():
+        first = int(bad[0])
+        raise NonFiniteError(
+            f"{bad.numel()} non-finite {what}(s); the first, at index {first} (group id {int(group_ids[first])}), "
+            f"is {float(values[first])}: every {what} must be a finite number",
+            first,
+        )
 
 
 def _masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

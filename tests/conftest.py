@@ -32,13 +32,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray instance (2 CPUs, no dashboard, no token auth), shared by every Ray test."""
-    import os
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """A local Ray instance (2 CPUs, no dashboard, no token auth, every port on loopback), shared by every Ray test."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from services.learner.launch import init_ray
+
+    init_ray(num_cpus=2)
     yield ray
     from ray import serve
 

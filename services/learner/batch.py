@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rlep_common.algorithm import flatten_groups, group_advantages
+from rlep_common.algorithm import NonFiniteError, flatten_groups, group_advantages
 from rlep_common.types import Group, Source
 
 
@@ -69,11 +69,21 @@ class ExperienceBatch:
 def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
     """Tensors for every trajectory of `groups`; advantages normalised within each mixed group.
 
-    Every trajectory needs `prompt_token_ids` and at least one `response_token_ids`.
+    Every trajectory needs `prompt_token_ids`, at least one `response_token_ids` and a finite reward;
+    `NonFiniteError` names the trajectory whose reward (or advantage) is NaN or infinite.
     """
     trajectories, rewards, group_ids = flatten_groups(groups)
     if not trajectories:
         raise ValueError("no trajectories to train on")
+    try:
+        advantages = group_advantages(rewards, group_ids)
+    except NonFiniteError as err:
+        t = trajectories[err.index]
+        raise NonFiniteError(
+            f"refusing to train: trajectory {t.id[:12]} ({t.source.value} answer to question {t.question_id!r}, "
+            f"reward {t.reward}): {err}",
+            err.index,
+        ) from err
     rows = []
     for t in trajectories:
         if not t.prompt_token_ids or not t.response_token_ids:
@@ -92,7 +102,7 @@ def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
         tokens=tokens,
         attention_mask=attention,
         loss_mask=loss_mask,
-        advantages=group_advantages(rewards, group_ids),
+        advantages=advantages,
         rewards=rewards,
         replayed=torch.tensor([t.source == Source.REPLAY for t in trajectories]),
         group_index=group_ids,

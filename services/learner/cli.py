@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -39,7 +38,9 @@ def train(
     """Train with RLEP (or the M=0 baseline) over rollout, verifier and replay; starts what is not given."""
     resolved = load_train_config(config, set_)
     if dry_run:
-        typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
+        from rlep_common.config import dump_config_json
+
+        typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.learner.main import run_training
@@ -167,7 +168,7 @@ def demo(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and exit.")] = False,
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
-    from rlep_common.config import parse_override
+    from rlep_common.config import dump_config_json, parse_override
     from services.learner.demo import DemoConfig
 
     overrides = dict(parse_override(s) for s in set_ or [])
@@ -176,7 +177,7 @@ def demo(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     if dry_run:
-        typer.echo(json.dumps(config.model_dump(mode="json"), indent=2))
+        typer.echo(dump_config_json(config))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.learner.demo import run_demo

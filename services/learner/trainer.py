@@ -10,14 +10,19 @@ to every rollout replica. M=0 is the baseline, on the same path.
 
 The policy object does the tensor work (a local `PolicyTrainer`, or `RayPolicy` spreading it over
 DeepSpeed processes); everything else here is bookkeeping and service calls.
+
+Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
+process SIGKILLs itself right after that step's checkpoint is written, as a crash would.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +45,9 @@ from services.rollout.types import Sampling
 __all__ = ["Policy", "Services", "Trainer"]
 
 log = logging.getLogger(__name__)
+
+# The resume test kills the learner at a known point instead of racing a poll of the step log.
+KILL_AFTER_CHECKPOINT_ENV = "RLEP_FAULT_KILL_AFTER_CHECKPOINT"
 
 
 class Policy(Protocol):
@@ -249,6 +257,9 @@ class Trainer:
         tags = sorted((p for p in ckpt.dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
         for old in tags[: -ckpt.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        if os.environ.get(KILL_AFTER_CHECKPOINT_ENV) == str(self.step):
+            log.warning("%s=%d: killing this process after its checkpoint", KILL_AFTER_CHECKPOINT_ENV, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
         return ckpt.dir / tag / "hf"
 
 

@@ -51,7 +51,11 @@ def test_demo_writes_table_plot_and_results(demo_run):
     assert saved["baseline_peak"] == max(a for _, a in saved["baseline_curve"])
     # Same warm-up model, same seed, same evaluation: both curves start at the same point.
     assert saved["baseline_curve"][0] == saved["rlep_curve"][0]
-    assert summary["baseline_step_seconds"] > 0 and summary["rlep_step_seconds"] > 0
+    for run in ("baseline", "rlep"):  # the table's step time is the mean of the run's logged step times
+        log = [json.loads(line) for line in (config.out_dir / run / "log.jsonl").read_text().splitlines()]
+        times = [r["step_seconds"] for r in log if "step_seconds" in r]
+        assert len(times) == config.steps
+        assert summary[f"{run}_step_seconds"] == pytest.approx(sum(times) / len(times))
 
 
 def test_both_runs_start_from_the_warmup_checkpoint(demo_run):

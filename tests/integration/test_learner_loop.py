@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 import uuid
 from pathlib import Path
 
@@ -113,15 +115,46 @@ def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None
 
 
 def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
+    """Three RLEP steps; after each, the learner's /metrics (bearer token required) shows that step's figures."""
+    import urllib.error
+
     from services.learner.main import run_training
+    from tests.conftest import free_port
+    from tests.metrics_util import scrape, series_value
 
     rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
+    (tmp_path / "token").write_text("learner-metrics-token\n")
     config = train_config(tmp_path, tmp_path / "train.parquet")
+    # The token file protects /metrics only: the stack's services were started without one.
+    endpoints = config.endpoints.model_copy(update={"auth_token_file": tmp_path / "token"})
+    config = config.model_copy(update={"metrics_port": free_port(), "endpoints": endpoints})
     seed_pool(loop_stack, config.replay_pool, rows)
     before = loop_stack.services.rollout.versions()
+    scraped, refused = [], []
 
-    records = run_training(config, stack=loop_stack, show_progress=False)
+    def scrape_metrics(record: dict) -> None:
+        """Runs inside the step loop: the server is up while training runs."""
+        try:
+            scrape(config.metrics_port)
+        except urllib.error.HTTPError as err:
+            refused.append(err.code)
+        scraped.append((record, scrape(config.metrics_port, token="learner-metrics-token")))
 
+    records = run_training(config, stack=loop_stack, show_progress=False, on_step=scrape_metrics)
+
+    assert refused == [401] * 3
+    for record, text in scraped:
+        for key, series in (("step", "rlep_learner_step"), ("policy_version", "rlep_learner_policy_version")):
+            assert series_value(text, series) == record[key], series
+        for key in ("reward_mean", "replayed_fraction", "replay_used", "replay_requested", "advantage_std"):
+            assert series_value(text, f"rlep_learner_{key}") == pytest.approx(record[key]), key
+        for phase, seconds in record["phase_seconds"].items():
+            assert series_value(text, f'rlep_learner_step_seconds{{phase="{phase}"}}') == pytest.approx(seconds)
+    totals = {phase: sum(r["phase_seconds"][phase] for r in records) for phase in records[0]["phase_seconds"]}
+    for phase, seconds in totals.items():
+        assert series_value(scraped[-1][1], f'rlep_learner_phase_seconds_total{{phase="{phase}"}}') == pytest.approx(
+            seconds
+        )
     assert [r["step"] for r in records] == [1, 2, 3]
     algo = config.algorithm
     expected_fraction = algo.replayed_per_question / (algo.fresh_per_question + algo.replayed_per_question)
@@ -148,22 +181,57 @@ def _log_steps(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# pyproject's per-test timeout is 600 s; the module's stack may start inside it (first test to run).
+RESUME_TEST_BUDGET_S = 540
+
+
+def _left(started: float) -> float:
+    return max(1.0, RESUME_TEST_BUDGET_S - (time.monotonic() - started))
+
+
+def _deepspeed_state(tag_dir: Path) -> tuple[dict, dict]:
+    """(model states, optimizer states) of a single-process DeepSpeed checkpoint directory."""
+    (model_file,) = tag_dir.glob("mp_rank_*_model_states.pt")
+    (optim_file,) = tag_dir.glob("*_optim_states.pt")
+    return torch.load(model_file, weights_only=False), torch.load(optim_file, weights_only=False)
+
+
+def _assert_same_tree(a, b, path: str = "") -> int:
+    """Tensors equal within float tolerance and numbers equal, recursively; returns how many tensors were compared."""
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{path}: {m}")
+        return 1
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
+        return sum(_assert_same_tree(a[k], b[k], f"{path}/{k}") for k in a)
+    if isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        return sum(_assert_same_tree(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+    if isinstance(a, int | float | bool):
+        assert a == b, f"{path}: {a} != {b}"
+    return 0
+
+
 def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_path, ray_local):
-    """`rlep train` is killed (-9) after its step-2 checkpoint; `--resume` replays the exact question schedule."""
-    import os
+    """`rlep train` dies by SIGKILL right after its step-2 checkpoint; `--resume` runs steps 3-4 with the exact
+    question schedule and ends on the weights and optimizer state of an uninterrupted run."""
     import signal
     import subprocess
-    import time
 
     import yaml
+    from safetensors.torch import load_file
 
+    from services.learner.config import TrainConfig
     from services.learner.data import DataCursor, load_questions
+    from services.learner.main import run_training
+    from services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
     from tests.integration.test_serve_cli import rlep_command
 
+    started = time.monotonic()
     rows = arithmetic_parquet(tmp_path / "train.parquet", 10, seed=1)
     config = train_config(tmp_path, tmp_path / "train.parquet").model_dump(mode="json")
     services = loop_stack.services
-    config["steps"] = 6
+    config["steps"] = 4
     config["endpoints"] = {
         "rollout": [r.address for r in services.rollout.replicas],
         "verifier": loop_stack.addresses["verifier"],
@@ -176,43 +244,105 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     command += ["--ray-address", ray_local.get_runtime_context().gcs_address]
     log_path = tmp_path / "ckpt" / "log.jsonl"
 
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while len(_log_steps(log_path)) < 3 and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(timeout=60)
-    done_before_kill = [r["step"] for r in _log_steps(log_path)]
-    assert 3 <= len(done_before_kill) < 6, done_before_kill
+    env = {**os.environ, KILL_AFTER_CHECKPOINT_ENV: "2"}
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_left(started))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert [r["step"] for r in _log_steps(log_path)] == [1, 2]  # killed right after the step-2 checkpoint
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
 
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=_left(started))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     records = _log_steps(log_path)
-    after_resume = records[len(done_before_kill) :]
-    assert [r["step"] for r in after_resume] == [3, 4, 5, 6]  # continued from the step-2 checkpoint
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # continued from the step-2 checkpoint, nothing redone
     questions = load_questions([tmp_path / "train.parquet"])
     cursor = DataCursor(len(questions), config["seed"], shuffle=True)
-    schedule = [[questions[i].question_id for i in cursor.next_indices(4)] for _ in range(6)]
-    by_step = {r["step"]: r["question_ids"] for r in records}  # the resumed run's record wins for a step
-    assert [by_step[s] for s in range(1, 7)] == schedule
+    schedule = [[questions[i].question_id for i in cursor.next_indices(4)] for _ in range(4)]
+    assert [r["question_ids"] for r in records] == schedule
     assert services.replay.stats(config["replay_pool"]).trajectories == pool_before  # the pool is untouched
+
+    # The same run without the kill, on the same services: same rewards, same weights, same optimizer state.
+    checkpoint = {**config["checkpoint"], "dir": str(tmp_path / "reference")}
+    reference = TrainConfig.model_validate({**config, "endpoints": {}, "checkpoint": checkpoint})
+    uninterrupted = run_training(reference, stack=loop_stack, show_progress=False)
+    assert [r["question_ids"] for r in uninterrupted] == schedule
+    assert [r["reward_mean"] for r in uninterrupted] == [r["reward_mean"] for r in records]
+    final = load_file(str(tmp_path / "ckpt" / "step_4" / "hf" / "model.safetensors"))
+    expected = load_file(str(tmp_path / "reference" / "step_4" / "hf" / "model.safetensors"))
+    assert _assert_same_tree(final, expected) == len(expected)
+    (model_states, optim_states), (ref_model, ref_optim) = (
+        _deepspeed_state(tmp_path / "ckpt" / "step_4"),
+        _deepspeed_state(tmp_path / "reference" / "step_4"),
+    )
+    assert _assert_same_tree(model_states["module"], ref_model["module"]) == len(ref_model["module"])
+    assert _assert_same_tree(optim_states["optimizer_state_dict"], ref_optim["optimizer_state_dict"]) > 0
+    for key in ("step", "cursor", "optimizer_steps", "training_steps", "shuffle_rng"):
+        _assert_same_tree(model_states[key], ref_model[key], key)
+    assert time.monotonic() - started < RESUME_TEST_BUDGET_S
+
+
+class AnsweringRollout:
+    """The stack's real rollout, counted, with two samples per question rewritten: sample 0 gives the right sum
+    (`\\boxed{a+b}`) and sample 1 a wrong one. The untrained tiny model never writes a parseable answer, so
+    without this the verifier would have no success to find and no WRONG verdict to give."""
+
+    def __init__(self, rollout):
+        self.rollout, self.calls = rollout, 0
+
+    def max_model_len(self) -> int:
+        return self.rollout.max_model_len()
+
+    def generate(self, prompts, sampling):
+        from dataclasses import replace
+
+        self.calls += 1
+        completions = self.rollout.generate(prompts, sampling)
+        for prompt, completion in zip(prompts, completions, strict=True):
+            a, b = (int(x) for x in prompt[-1]["content"].removesuffix("=?").split("+"))
+            right, wrong = f"\\boxed{{{a + b}}}", f"\\boxed{{{a + b + 1}}}"
+            completion.samples[0] = replace(completion.samples[0], text=right)
+            completion.samples[1] = replace(completion.samples[1], text=wrong)
+        return completions
 
 
 def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
+    """Only verified successes reach the pool; a rerun after a finished collection samples nothing."""
+    from dataclasses import replace
+
     from services.learner.collect import CollectConfig, collect
     from services.learner.data import load_questions
+    from services.learner.step_inputs import Services
 
     arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
     questions = load_questions([tmp_path / "train.parquet"])
+    rollout = AnsweringRollout(loop_stack.services.rollout)
+    services = Services(rollout, loop_stack.services.verifier, loop_stack.services.replay)
     config = CollectConfig(samples_per_question=4, max_response_tokens=12, questions_per_chunk=4, min_successes=1)
     state = tmp_path / "collect.json"
-    pool = f"collect-{tmp_path.name}"
-    stats = collect(loop_stack.services, questions, pool, config, state_file=state, show_progress=False)
-    assert (stats.questions, stats.samples, stats.chunks_done) == (6, 24, 2)
+    pool = f"collect-{uuid.uuid4().hex[:12]}"  # the CI Redis outlives test runs
+    replay = loop_stack.services.replay
+    stats = collect(services, questions, pool, config, state_file=state, show_progress=False)
+    assert (stats.questions, stats.samples, stats.chunks_done, rollout.calls) == (6, 24, 2, 2)
+    # One success per question (sample 0); the wrong sums and the model's own samples are not stored.
+    assert (stats.successes, stats.questions_kept, stats.successes_stored) == (6, 6, 6)
+    stored = replay.sample(pool, [q.question_id for q in questions], m=4, seed=0)
+    assert {qid: [t.response_text for t in ts] for qid, ts in stored.items()} == {
+        q.question_id: [f"\\boxed{{{q.ground_truth}}}"] for q in questions
+    }
     assert json.loads(state.read_text())["chunks_done"] == 2
-    again = collect(loop_stack.services, questions, pool, config, state_file=state, show_progress=False)
-    assert again.samples == 24  # resumed past the finished chunks: nothing sampled twice
+
+    again = collect(services, questions, pool, config, state_file=state, show_progress=False)
+    assert rollout.calls == 2  # resumed past the finished chunks: nothing sampled again
+    assert (again.samples, again.successes_stored) == (24, 6)
+    assert replay.stats(pool).trajectories == 6
+
+    # Gold answers that no sample matches: the verifier says WRONG to every parseable one, nothing is stored.
+    off = [replace(q, ground_truth=str(int(q.ground_truth) + 2)) for q in questions]
+    wrong_pool = f"{pool}-wrong"
+    none = collect(services, off, wrong_pool, config, show_progress=False)
+    assert (none.samples, none.successes, none.successes_stored) == (24, 0, 0)
+    assert wrong_pool not in replay.list_pools()
+    replay.drop(pool, confirm=pool)
 
 
 def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):

@@ -182,10 +182,12 @@ def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir,
 def test_saved_checkpoint_keeps_tokenizer_and_chat_template(updates, model_dir, hf_dir):
     from transformers import AutoTokenizer
 
+    from rlep_common.tiny_model import CHAT_TEMPLATE
+
     assert (hf_dir / "chat_template.jinja").exists()
     assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
     source, saved = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(hf_dir)
-    assert saved.chat_template == source.chat_template is not None
+    assert saved.chat_template == source.chat_template == CHAT_TEMPLATE  # the tiny model's own template
     chat = [{"role": "user", "content": "What is 23+58?"}]
     rendered = saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert rendered == source.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

@@ -134,7 +134,8 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
         assert r["replayed_fraction"] == pytest.approx(M / (G + M))
         assert (r["replay_requested"], r["replay_used"], r["replay_retokenized"]) == (QUESTIONS * M,) * 3
         assert r["replay_dropped"] == {} and r["replay_failed_verification"] == 0
-        assert r["optimizer_steps"] is not None
+    # 2 x (G + M) = 8 rows per step in mini-batches of 1 x G = 2 rows: 4 optimizer steps per step, counted on.
+    assert [r["optimizer_steps"] for r in records] == [4.0, 8.0]
     # The replicas serve the learner's final weights.
     rollout = RolloutClient([smollm2_rollout], token=auth_token_file.read_text().strip(), timeout_s=300)
     assert rollout.versions() == [records[-1]["policy_version"]]

@@ -7,8 +7,17 @@ import json
 import pytest
 
 from rlep_common.tiny_model import ModelSpec, cached_model
-from services.learner.task import make_problem, make_problems
-from services.learner.warmup import RESULT_FILE, WarmupConfig, completion_loss, encode_examples, lr_at, warmup
+from services.learner.task import is_correct, make_problem, make_problems
+from services.learner.warmup import (
+    RESULT_FILE,
+    WarmupConfig,
+    completion_loss,
+    encode_examples,
+    lr_at,
+    pass_at_1,
+    sample_completions,
+    warmup,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,11 +60,30 @@ def test_lr_warms_up_linearly_then_decays_to_the_floor():
 
 
 def test_warmup_lowers_the_loss_and_reports_pass_at_1(warmed):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     assert len(warmed.losses) == 40
     assert sum(warmed.losses[-5:]) / 5 < 0.7 * sum(warmed.losses[:5]) / 5
-    assert warmed.pass_at_1 is not None and 0.0 <= warmed.pass_at_1 <= 1.0
+    # pass@1 is a count of the 16 evaluation problems: k / 16, as saved.
+    solved = warmed.pass_at_1 * CONFIG.eval_problems
+    assert solved == round(solved) and warmed.eval_problems == CONFIG.eval_problems
     saved = json.loads((warmed.out_dir / RESULT_FILE).read_text())
     assert saved["steps"] == 40 and saved["pass_at_1"] == warmed.pass_at_1 and saved["config"]["max_value"] == 20
+    # The figure is the fraction of sampled completions that box the right sum: recount one seeded sample.
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(warmed.out_dir),
+        AutoTokenizer.from_pretrained(warmed.out_dir),
+    )
+    problems = make_problems(
+        CONFIG.eval_problems, seed=CONFIG.eval_seed, split="eval", terms=CONFIG.terms, max_value=CONFIG.max_value
+    )
+    torch.manual_seed(7)
+    texts = sample_completions(model, tokenizer, problems, CONFIG.max_new_tokens)
+    torch.manual_seed(7)
+    score = pass_at_1(model, tokenizer, problems, CONFIG.max_new_tokens)
+    assert score == sum(is_correct(t, p) for t, p in zip(texts, problems, strict=True)) / len(problems)
+    assert is_correct(problems[0].solution, problems[0]) and not is_correct("\\boxed{-1}", problems[0])
 
 
 def test_checkpoint_round_trips_through_the_auto_classes(warmed, source_dir):
@@ -80,3 +108,37 @@ def test_checkpoint_round_trips_through_the_auto_classes(warmed, source_dir):
     assert all(
         torch.equal(a, b) for a, b in zip(trained.state_dict().values(), again.state_dict().values(), strict=True)
     )
+
+
+class SolvingModel:
+    """A stand-in for the model in `pass_at_1`: it writes the worked solution of the problems listed in `solves`
+    and a wrong boxed sum for the others (a pure count check; the real model solves too few of 16 to show one)."""
+
+    def __init__(self, tokenizer, problems, solves: set[int]):
+        self.tokenizer = tokenizer
+        self.by_question = {p.question: (p, i in solves) for i, p in enumerate(problems)}
+
+    def eval(self):
+        return self
+
+    def generate(self, input_ids, max_new_tokens, **_):
+        import torch
+
+        rows = []
+        for ids in input_ids.tolist():
+            question = self.tokenizer.decode(ids).split("Q: ")[-1].split("\n")[0]
+            problem, solved = self.by_question[question]
+            text = problem.solution if solved else f"\\boxed{{{int(problem.answer) + 1}}}"
+            new = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+            rows.append(ids + new + [self.tokenizer.eos_token_id] * (max_new_tokens + 1 - len(new)))
+        return torch.tensor(rows)
+
+
+def test_pass_at_1_is_the_fraction_of_problems_solved(source_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    problems = make_problems(16, seed=3, split="eval", max_value=20)
+    solves = {0, 3, 4, 9, 15}
+    model = SolvingModel(tokenizer, problems, solves)
+    assert pass_at_1(model, tokenizer, problems, max_new_tokens=40) == len(solves) / 16

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from rlep_common.algorithm import flatten_groups, group_advantages, overlong_penalty, policy_loss, warmup_lr
+from rlep_common.algorithm import (
+    NonFiniteError,
+    flatten_groups,
+    group_advantages,
+    overlong_penalty,
+    policy_loss,
+    warmup_lr,
+)
 from rlep_common.types import Group, Source, Trajectory
 
 
@@ -64,6 +71,23 @@ def test_replayed_and_fresh_share_one_baseline():
 def test_group_advantages_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_group_advantages_refuse_non_finite_rewards(bad):
+    """One NaN or infinite reward would turn its whole group's advantages into NaN: refused, naming the index."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, bad, 1.0])
+    message = rf"index 4 \(group id 9\), is {bad}: every reward must be a finite number"
+    with pytest.raises(NonFiniteError, match=message) as err:
+        group_advantages(rewards, torch.tensor([3, 3, 3, 9, 9, 9]))
+    assert err.value.index == 4
+
+
+def test_group_advantages_of_huge_finite_rewards_stay_finite_and_exact():
+    """Squares of rewards near float32's limit overflow in float32; the statistics run in float64."""
+    adv = group_advantages(torch.tensor([3e38, -3e38, 0.0]), torch.tensor([0, 0, 0]))
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0]), atol=1e-5, rtol=1e-5)
 
 
 def _loss_inputs():

@@ -52,6 +52,16 @@ def test_trajectories_without_tokens_are_refused():
         build_batch([Group("a", "1", [bad])], pad_id=0)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_rewards_are_refused_naming_the_trajectory(bad):
+    from rlep_common.algorithm import NonFiniteError
+
+    poisoned = trajectory("b", (9,), bad, Source.REPLAY)
+    groups = [Group("a", "1", [trajectory("a", (8,), 1.0)]), Group("b", "2", [trajectory("b", (8,), 0.0), poisoned])]
+    with pytest.raises(NonFiniteError, match=rf"trajectory {poisoned.id[:12]} \(replay answer to question 'b'"):
+        build_batch(groups, pad_id=0)
+
+
 def test_select_trims_padding_and_keeps_rows_aligned():
     groups = [Group("a", "1", [trajectory("a", (8, 9, 10, 11), 1.0), trajectory("a", (12,), -1.0)])]
     batch = build_batch(groups, pad_id=0)

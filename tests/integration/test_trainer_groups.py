@@ -1,0 +1,240 @@
+"""What one `Trainer.train_step` hands to the policy: mixed groups, their shaped rewards and advantages.
+
+Real verifier (math-verify workers over gRPC) and real replay (Redis); the policy is a recording
+stand-in (the assertions are about the batch the trainer builds, not about DeepSpeed), and the
+rollout answers from a script: the untrained tiny model never writes a correct answer, and exact
+response lengths are what overlong shaping is about. Every expected reward and advantage below is
+computed by hand from the script.
+
+Settings: B=2 questions, G=4 fresh answers, max_response_tokens=16 with a 4-token overlong buffer
+(penalty 1.0): a response of L tokens loses min(1, max(0, (L - 12) / 4)).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from rlep_common.tiny_model import ModelSpec, cached_model
+from rlep_common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
+from services.learner.config import TrainConfig
+from services.learner.data import Question
+from services.learner.step_inputs import Services
+from services.learner.tokens import PolicyTokenizer
+from services.learner.trainer import Trainer
+from services.rollout.types import Completion, SampleOut
+
+pytestmark = [pytest.mark.integration]
+
+SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
+MAX_RESPONSE, BUFFER = 16, 4
+QUESTIONS = [Question("q-sum-7", (("user", "3+4=?"),), "7"), Question("q-sum-42", (("user", "12+30=?"),), "42")]
+TRUTH = {"3+4": "7", "12+30": "42"}
+
+
+def fresh_script(truth: str) -> list[tuple[str, float]]:
+    """G=4 fresh answers (text, shaped reward by hand); the tiny tokenizer spends a token per character,
+    `\\boxed{` is one token, and every answer ends with EOS unless cut at 16 tokens."""
+    return [
+        (f"\\boxed{{{truth}}}", 1.0),  # correct, short: no penalty
+        (f"{'x' * (11 - len(truth))}\\boxed{{{truth}}}", 0.5),  # correct, 13 tokens + EOS: 1.0 - (14 - 12) / 4
+        (f"\\boxed{{{int(truth) + 1}}}", -1.0),  # wrong (a real WRONG verdict), short
+        ("x" * MAX_RESPONSE, -2.0),  # cut at 16 tokens: unparseable (-1) and the full penalty (-1)
+    ]
+
+
+class ScriptedRollout:
+    """Answers every question with `fresh_script` and records the weight pushes (versions only)."""
+
+    def __init__(self, tokenizer: PolicyTokenizer):
+        self.tokenizer, self.pushed, self.calls = tokenizer, [], 0
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        completions = []
+        for ids in prompts:
+            question = self.tokenizer.decode(ids).split("Q: ")[-1].split("=?")[0]
+            script = fresh_script(TRUTH[question])
+            assert sampling.n == len(script) and sampling.max_tokens == MAX_RESPONSE
+            samples = []
+            for text, _ in script:
+                encoded = self.tokenizer.encode_response(text)
+                finish = FinishReason.LENGTH if encoded.truncated else FinishReason.STOP
+                body = self.tokenizer.decode(encoded.token_ids)
+                samples.append(SampleOut(list(encoded.token_ids), body, [0.0] * len(encoded.token_ids), finish, 1))
+            completions.append(Completion(list(ids), samples))
+        return completions
+
+    def versions(self) -> list[int]:
+        return [self.pushed[-1] if self.pushed else 0]
+
+    def max_model_len(self) -> int:
+        return 256
+
+    def push_weights(self, state, version, transport="auto", replicas=None):
+        self.pushed.append(version)
+
+    def refresh(self) -> None: ...
+
+    def check(self) -> list:
+        return []
+
+    def set_serving(self, replicas) -> None: ...
+
+
+class RecordingPolicy:
+    """Stands in for DeepSpeed: old logprobs are zeros, `update` records the batch it is given."""
+
+    def __init__(self):
+        self.updates = []
+
+    def logprobs(self, batch):
+        return torch.zeros(batch.loss_mask.shape)
+
+    def update(self, batch, rows_per_mini_batch):
+        self.updates.append((batch, rows_per_mini_batch))
+        stats = dict.fromkeys(("clip_fraction", "approx_kl", "entropy", "loss"), 0.0)
+        return {**stats, "lr": 1e-3, "optimizer_steps": float(len(self.updates))}
+
+    def state_dict(self):
+        return {}
+
+    def rng_state(self):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    model = cached_model(SMALL, cache_dir=tmp_path_factory.mktemp("models"))
+    return PolicyTokenizer.load(model, max_prompt_tokens=64, max_response_tokens=MAX_RESPONSE)
+
+
+def make_trainer(tokenizer, verifier_client, replay_client, pool, **algorithm):
+    config = TrainConfig.model_validate(
+        {
+            "seed": 5,
+            "replay_pool": pool,
+            "algorithm": {
+                "questions_per_step": 2,
+                "fresh_per_question": 4,
+                "mini_batch_questions": 1,
+                "max_response_tokens": MAX_RESPONSE,
+                "overlong_buffer_tokens": BUFFER,
+                "overlong_penalty": 1.0,
+                **algorithm,
+            },
+            "data": {"shuffle": False},
+        }
+    )
+    policy, rollout = RecordingPolicy(), ScriptedRollout(tokenizer)
+    services = Services(rollout=rollout, verifier=verifier_client, replay=replay_client)
+    trainer = Trainer(config, tokenizer.tokenizer.name_or_path, QUESTIONS, policy, services, tokenizer)
+    trainer.start()
+    return trainer, policy, rollout
+
+
+def stored(tokenizer, question: Question, text: str) -> Trajectory:
+    """A verified success as phase-1 collection stores it (this policy's tokenizer, so its ids are used as is)."""
+    prompt = tokenizer.encode_prompt(question.chat()).token_ids
+    ids = tokenizer.encode_response(text).token_ids
+    fingerprint = tokenizer.fingerprint
+    return Trajectory(
+        question.question_id, text, 1.0, Source.REPLAY, Verdict.CORRECT, 0, FinishReason.STOP, prompt, ids,
+        tokenizer_fingerprint=fingerprint,
+    )  # fmt: skip
+
+
+def advantages_by_hand(rewards: list[float]) -> list[float]:
+    mean, std = statistics.mean(rewards), statistics.stdev(rewards)  # unbiased, as verl
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+def rows_of_group(batch, group: int) -> list[tuple[bool, int, float, float]]:
+    """(replayed, response tokens, reward, advantage) of one group's rows, in batch order."""
+    rows = (batch.group_index == group).nonzero().flatten().tolist()
+    return [
+        (bool(batch.replayed[i]), int(batch.loss_mask[i].sum()), float(batch.rewards[i]), float(batch.advantages[i]))
+        for i in rows
+    ]
+
+
+def test_fresh_and_replayed_answers_form_one_shaped_mixed_group(tokenizer, verifier_client, replay_client, pool_name):
+    """G=4 fresh + M=2 replayed per question: one group, re-verified and overlong-shaped alike, one baseline."""
+    replayed_texts = {
+        q.question_id: [
+            f"so \\boxed{{{q.ground_truth}}}",
+            f"{'y' * (12 - len(q.ground_truth))}\\boxed{{{q.ground_truth}}}",
+        ]
+        for q in QUESTIONS
+    }  # 7 tokens (reward 1.0) and 15 tokens (1.0 - 0.75 = 0.25)
+    replay_client.add(pool_name, [stored(tokenizer, q, t) for q in QUESTIONS for t in replayed_texts[q.question_id]])
+    trainer, policy, rollout = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=2
+    )
+
+    record = trainer.train_step()
+
+    ((batch, rows_per_mini_batch),) = policy.updates
+    assert rows_per_mini_batch == 1 * 4  # mini_batch_questions x G: replayed rows add updates
+    assert batch.size == 2 * (4 + 2) and batch.old_logprobs is not None
+    for group, question in enumerate(QUESTIONS):
+        truth = question.ground_truth
+        fresh = [
+            (False, 4 if len(truth) == 1 else 5, 1.0),
+            (False, 14, 0.5),
+            (False, 4 if len(truth) == 1 else 5, -1.0),
+        ]
+        fresh += [(False, 16, -2.0)]
+        replayed = sorted([(True, 7 if len(truth) == 1 else 8, 1.0), (True, 15, 0.25)], key=lambda r: r[2])
+        rows = rows_of_group(batch, group)
+        got_fresh, got_replayed = rows[:4], sorted(rows[4:], key=lambda r: r[2])  # replay's order is the sampler's
+        expected = fresh + replayed
+        advantages = advantages_by_hand([r[2] for r in expected])
+        for got, want, advantage in zip(got_fresh + got_replayed, expected, advantages, strict=True):
+            assert got[:3] == pytest.approx(want), (question.question_id, got, want)
+            assert got[3] == pytest.approx(advantage, abs=1e-5)
+    assert record["replayed_fraction"] == pytest.approx(2 / 6)
+    assert (record["replay_requested"], record["replay_used"], record["replay_failed_verification"]) == (4, 4, 0)
+    assert record["reward_mean"] == pytest.approx((1.0 + 0.5 - 1.0 - 2.0) / 4)
+    assert record["fresh_accuracy"] == pytest.approx(0.5)
+    assert rollout.pushed == [1, 2]  # the start's push, then one per step
+
+
+def test_max_replayed_fraction_caps_replayed_rows_per_group(tokenizer, verifier_client, replay_client, pool_name):
+    """M=4 with a cap of 0.34 of a group: replayed <= 0.34 x 4 / 0.66, i.e. 2 of 6 rows."""
+    answers = [stored(tokenizer, q, f"{tag} \\boxed{{{q.ground_truth}}}") for q in QUESTIONS for tag in "abcd"]
+    replay_client.add(pool_name, answers)
+    trainer, policy, _ = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=4, max_replayed_fraction=0.34
+    )
+
+    record = trainer.train_step()
+
+    ((batch, _),) = policy.updates
+    for group in range(len(QUESTIONS)):
+        assert [r[0] for r in rows_of_group(batch, group)] == [False] * 4 + [True] * 2
+    assert record["replayed_fraction"] == pytest.approx(2 / 6)
+    assert (record["replay_requested"], record["replay_used"]) == (2 * 2, 2 * 2)
+
+
+@pytest.mark.parametrize("online", [True, False], ids=["online-replay", "off"])
+def test_online_replay_stores_this_steps_fresh_successes_only(
+    tokenizer, verifier_client, replay_client, pool_name, online
+):
+    """The verifier's CORRECT fresh answers reach the pool (both lengths); WRONG and cut ones never do."""
+    trainer, _, _ = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=0, online_replay=online
+    )
+
+    trainer.train_step()
+
+    if not online:
+        assert pool_name not in replay_client.list_pools()
+        return
+    expected = {q.question_id: {text for text, reward in fresh_script(q.ground_truth) if reward > 0} for q in QUESTIONS}
+    assert replay_client.stats(pool_name).trajectories == 2 * len(QUESTIONS)
+    found = replay_client.sample(pool_name, [q.question_id for q in QUESTIONS], m=8, seed=1)
+    assert {qid: {t.response_text for t in ts} for qid, ts in found.items()} == expected
+    assert all(t.id == trajectory_id(t.question_id, t.response_text) for ts in found.values() for t in ts)
