@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlep_common.algorithm import LossAgg
-from rlep_common.config import StrictModel
+from rlep_common.config import StrictModel, TlsFiles
 from services.replay.core import Strategy
 from services.rollout.config import EngineConfig
 
@@ -207,6 +207,8 @@ class TrainConfig(StrictModel):
     """Prometheus /metrics of the learner (9464 in deployments)."""
     metrics_host: str = "127.0.0.1"
     """Bind address of /metrics (0.0.0.0 in containers)."""
+    metrics_tls: TlsFiles = TlsFiles()
+    """Certificate and key of /metrics: with both set it serves HTTPS only (as every service's port can)."""
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:

@@ -91,9 +91,11 @@ def _start_metrics(config: TrainConfig):
     if config.metrics_port is None:
         return None
     from rlep_common.metrics import MetricsServer, service_registry
+    from rlep_common.tls import server_ssl_context
     from services.learner.metrics import LearnerMetrics
 
     registry = service_registry("learner")
     metrics = LearnerMetrics(registry)
     token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
-    return MetricsServer(registry, config.metrics_host, config.metrics_port, token), metrics
+    ssl_context = server_ssl_context(config.metrics_tls)
+    return MetricsServer(registry, config.metrics_host, config.metrics_port, token, ssl_context), metrics

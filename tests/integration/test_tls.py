@@ -108,3 +108,21 @@ def test_tls_files_go_in_pairs_and_must_exist(tmp_path):
     both = ServerConfig(tls_cert_file=cert_file, tls_key_file=key_file)
     assert uvicorn_ssl_kwargs(both) == {"ssl_certfile": str(cert_file), "ssl_keyfile": str(key_file)}
     assert uvicorn_ssl_kwargs(ServerConfig()) == {}
+
+
+def test_the_learners_metrics_serve_tls_when_configured(tmp_path):
+    from rlep_common.config import TlsFiles
+    from services.learner.config import TrainConfig
+    from services.learner.main import _start_metrics
+
+    cert_file, key_file = self_signed(tmp_path)
+    config = TrainConfig(metrics_port=0, metrics_tls=TlsFiles(tls_cert_file=cert_file, tls_key_file=key_file))
+    server, _ = _start_metrics(config)
+    try:
+        context = ssl.create_default_context(cafile=str(cert_file))
+        with urllib.request.urlopen(f"https://localhost:{server.port}/healthz", context=context, timeout=5) as reply:
+            assert reply.read() == b"ok\n"
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read()
+    finally:
+        server.stop()

@@ -38,6 +38,8 @@ def test_servers_read_the_certificate_the_pods_mount(docs, tmp_path):
         "verifier": yaml.safe_load(files["verifier.yaml"])["server"],
         "replay": yaml.safe_load(files["replay.yaml"])["server"],
         "rollout": app["args"]["config"]["server"],
+        "eval": yaml.safe_load(files["eval.yaml"])["server"],
+        "learner /metrics": yaml.safe_load(files["train.yaml"])["metrics_tls"],
     }
     for service, server in servers.items():
         assert (server["tls_cert_file"], server["tls_key_file"]) == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
@@ -64,11 +66,14 @@ def test_probes_and_scrapes_work_with_tls(docs):
     assert container["readinessProbe"]["tcpSocket"] == {"port": 50061} and "grpc" not in container["readinessProbe"]
     [monitor] = by_kind(docs, "ServiceMonitor").values()
     endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
-    assert endpoints["metrics"]["scheme"] == "https"
-    assert endpoints["metrics"]["tlsConfig"]["serverName"] == "rlep.internal"
-    assert "scheme" not in endpoints["metrics-plain"]  # the learner's /metrics has no TLS yet
+    assert set(endpoints) == {"metrics", "http"}  # learner and workers on `metrics`, eval on `http`
+    for endpoint in endpoints.values():
+        assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["serverName"] == "rlep.internal"
     learner_ports = [p["name"] for p in by_kind(docs, "Service")["rlep-learner"]["spec"]["ports"]]
-    assert learner_ports == ["metrics-plain"]
+    assert learner_ports == ["metrics"]
+    [eval_container] = by_kind(docs, "Deployment")["rlep-eval"]["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert eval_container[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTPS"}
 
 
 def test_tls_without_a_server_name_fails_with_a_clear_message():

@@ -63,14 +63,14 @@ spec:
           {{- include "rlep.grpcProbes" (dict "port" .grpcPort "tls" (not (empty $root.Values.tls.secretName))) | nindent 10 }}
           {{- else }}
           startupProbe:
-            httpGet: { path: /healthz, port: http }
+            httpGet: { path: /healthz, port: http{{ if $root.Values.tls.secretName }}, scheme: HTTPS{{ end }} }
             periodSeconds: 5
             failureThreshold: 60
           readinessProbe:
-            httpGet: { path: /healthz, port: http }
+            httpGet: { path: /healthz, port: http{{ if $root.Values.tls.secretName }}, scheme: HTTPS{{ end }} }
             periodSeconds: 10
           livenessProbe:
-            httpGet: { path: /healthz, port: http }
+            httpGet: { path: /healthz, port: http{{ if $root.Values.tls.secretName }}, scheme: HTTPS{{ end }} }
             periodSeconds: 20
           {{- end }}
           securityContext:
