@@ -82,13 +82,18 @@ class ReplayBufferServicer:
     def AddTrajectories(self, request, context):
         """Adds successes. Idempotent: a trajectory is identified by sha256(question_id \0 response_text),
         so retried or duplicated adds are counted as duplicates and stored once. Creates the pool.
+        Rewards must be finite; a trajectory with an unknown verdict is rejected alone, the rest are added.
+        Redis out of memory -> RESOURCE_EXHAUSTED with nothing stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sample(self, request, context):
-        """Up to m distinct successes per question, in one call for a whole training step.
+        """Up to m distinct successes per question, in one call for a whole training step. Repeated question ids
+        are drawn once. Bounded before any work: question ids x m <= max_sample_trajectories, reply bytes <=
+        max_sample_bytes, `diverse` pairs <= max_diverse_pairs (RESOURCE_EXHAUSTED beyond, naming the limit);
+        the work stops when the call is cancelled or its deadline passes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +132,8 @@ class ReplayBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportPool(self, request_iterator, context):
-        """The first chunk names the pool (later chunks may leave it empty).
+        """The first chunk names the pool (later chunks may leave it empty). Not atomic across chunks: an
+        interrupted import keeps the chunks it stored, and running it again converges (adds are idempotent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
