@@ -47,7 +47,7 @@ def raw_engine_serve(args, conn) -> None:
     """Child process: plain vLLM with the service's engine arguments; one timed run per request."""
     from vllm import LLM, SamplingParams
 
-    from services.rollout.engine import engine_kwargs, shutdown_llm
+    from services.rollout.vllm_args import engine_kwargs, shutdown_llm
 
     prompts, sampling = workload(args)
     llm = LLM(**engine_kwargs(engine_config(args, "tiny")))

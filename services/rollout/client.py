@@ -9,9 +9,8 @@ replica died or is restarting) is retried on another replica, so one lost replic
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from rlep_common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep_common.wire import FINISH_FROM_PROTO
 from services.rollout.config import default_staging_dir
 from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
+from services.rollout.staging import PUSH_PREFIX, staged_file
 from services.rollout.types import Completion, SampleOut, Sampling
 from services.rollout.weights import TensorInfo, write_payload
 
@@ -124,6 +124,9 @@ class RolloutClient:
         self._serving: list[Replica] | None = None
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rollout-client")
         self._resolve: Callable[[], Sequence[str]] | None = None
+        # Shard attempts that failed on one replica and went on to another (a replica lost mid-call).
+        self.failovers = 0
+        self._failovers_lock = threading.Lock()
 
     def _connect(self, address: str) -> Replica:
         channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
@@ -205,6 +208,8 @@ class RolloutClient:
                 if err.code() not in FAILOVER_CODES:
                     raise
                 log.warning("rollout replica %s failed (%s); retrying the shard elsewhere", replica.address, err.code())
+                with self._failovers_lock:
+                    self.failovers += 1
                 errors.append(f"{replica.address}: {err.code().name} {err.details()}")
                 continue
             return [completion_from_proto(c) for c in reply.completions]
@@ -239,10 +244,8 @@ class RolloutClient:
             transport = "shared_file" if all(_is_local(r.address) for r in targets) else "stream"
         if transport not in ("stream", "shared_file"):
             raise ValueError(f"transport must be auto, stream or shared_file, got {transport!r}")
-        fd, name = tempfile.mkstemp(prefix="rlep-push-", suffix=".safetensors", dir=default_staging_dir())
-        os.close(fd)
-        path = Path(name)
-        try:
+        # Locked while it exists, so a worker starting on this host removes it if this process dies first.
+        with staged_file(default_staging_dir(), PUSH_PREFIX) as (_, path):
             digest = write_payload(dict(state_dict), path)
             header = rollout_pb2.WeightHeader(
                 version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
@@ -251,8 +254,6 @@ class RolloutClient:
                 messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
                 return self._push_all(targets, lambda: iter(messages))
             return self._push_all(targets, lambda: stream_file(header, path))
-        finally:
-            path.unlink(missing_ok=True)
 
     def push_weights_broadcast(
         self,

@@ -29,6 +29,7 @@ class EngineConfig(StrictModel):
     dtype: str = "auto"
     """Weight dtype (`auto` = the checkpoint's). Pushed weights must have the checkpoint's dtype."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """GPU only: devices one engine shards the model over."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """GPU only: fraction of device memory vLLM may take."""
     max_model_len: int | None = Field(None, ge=16)
@@ -44,7 +45,9 @@ class EngineConfig(StrictModel):
     off is max(max_model_len, 4096) on CPU. With chunked prefill off it must be >= max_model_len (vLLM
     refuses less); larger values admit more prompts per step at the cost of activation memory."""
     enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: starts in seconds instead of ~45 s on CPU, generates slower."""
     seed: int = 0
+    """Engine seed for requests that carry none."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Sampled-token logprobs under the model's distribution (raw) or after temperature/top-p/top-k."""
     kv_cache_space_gib: int = Field(1, ge=1)
@@ -59,16 +62,20 @@ class RolloutConfig(StrictModel):
     server: ServerConfig = ServerConfig(port=DEFAULT_PORT, max_request_bytes=64 * 1024 * 1024)
     """Where the gRPC server listens; weight pushes are streamed in chunks under this limit."""
     engine: EngineConfig = EngineConfig()
+    """The vLLM engine this worker drives."""
     initial_version: int = Field(0, ge=0)
     """Policy version of the weights the engine starts with."""
     max_prompts_per_request: int = Field(4096, ge=1)
+    """Prompts one Generate call may carry; more get INVALID_ARGUMENT (the typed client splits them)."""
     max_samples_per_request: int = Field(65536, ge=1)
     """prompts x n; larger requests get INVALID_ARGUMENT (the typed client splits them)."""
     max_n: int = Field(1024, ge=1)
+    """Largest `sampling.n` (samples per prompt) a call may ask for."""
     max_batch_prompts: int = Field(4096, ge=1)
     """Queued requests are merged into one engine call up to this many prompts."""
     staging_dir: str = Field(default_factory=default_staging_dir)
-    """Where streamed weight payloads are assembled before loading."""
+    """Where streamed weight payloads are assembled before loading. Payload files there (and in the default
+    staging directory) whose maker died are removed when a worker starts (services/rollout/staging.py)."""
     shared_dirs: list[str] = Field(default_factory=lambda: [default_staging_dir(), tempfile.gettempdir()])
     """Directories a `shared_file` push may name (anything else is refused)."""
     replica_id: str | None = None

@@ -1,53 +1,95 @@
 """One vLLM engine driven by one thread: generation batches and weight loads never overlap.
 
 Requests are queued; the engine thread takes every queued generation request at once (up to
-`max_batch_prompts` prompts) and runs them as one `LLM.generate` call, so concurrent callers share
-vLLM's batch. A weight load is a queue item of its own: it runs between two batches, which makes
-it atomic with respect to generation — every sample of a batch carries the one version it was
-generated with.
+`max_batch_prompts` prompts), adds them to vLLM together and steps the engine until they are done,
+so concurrent callers share vLLM's batch. A weight load is a queue item of its own: it runs between
+two batches, which makes it atomic with respect to generation — every sample of a batch carries the
+one version it was generated with.
+
+Between two engine steps the thread aborts the vLLM requests of callers that gave up (cancelled, or
+past their deadline), so abandoned work stops within a step. A request vLLM refuses fails alone; the
+thread survives any per-request error. When the thread or vLLM's engine core dies anyway, `failure`
+says so and `fail_waiting` releases every caller, for the worker's watchdog (services/rollout/main.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing import connection
 from pathlib import Path
 
 from rlep_common.types import FinishReason
 from services.rollout.config import EngineConfig
 from services.rollout.types import Generation, SampleOut, Sampling
 
+# resolve_model is imported from here by the learner.
+from services.rollout.vllm_args import engine_kwargs, resolve_model, sampling_params, shutdown_llm  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "services.rollout.worker_extension.WeightSyncExtension"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# close() waits this long for the engine thread (a running batch ends at its next engine step), then
+# gives vLLM's engine core ENGINE_SHUTDOWN_S to exit before it is killed: vLLM's default, 5 s, was
+# most of a worker's stop time, and a stopping worker has nothing left to save.
+CLOSE_JOIN_S = 5.0
+ENGINE_SHUTDOWN_S = 1.0
 
 
-@dataclass
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve: it is shutting down, or its thread or engine core died."""
+
+
+class CallAbandoned(RuntimeError):
+    """The caller cancelled the call or its deadline passed; its vLLM requests were aborted."""
+
+
+@dataclass(eq=False)
 class _Job:
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
+@dataclass(eq=False)
 class _GenerateJob(_Job):
+    """One caller's prompts; `cancel()` (any thread) makes the engine thread abort them at its next step."""
+
     prompts: Sequence[Sequence[int]] = ()
-    sampling: Sampling = Sampling()
+    params: object = None  # vllm.SamplingParams, built and checked in the caller's thread
+    deadline: float | None = None  # time.monotonic()
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def gave_up(self) -> bool:
+        return self.cancelled or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def result(self, timeout_s: float | None = None) -> Generation:
+        """Waits for the samples; on TimeoutError the job is cancelled (its requests get aborted)."""
+        try:
+            return self.future.result(timeout=timeout_s)
+        except TimeoutError:
+            self.cancel()
+            raise
 
 
-@dataclass
+@dataclass(eq=False)
 class _LoadJob(_Job):
     path: Path = Path()
     version: int = 0
+    behind_generation: bool = False  # queued while a batch was generating, so it had to wait for it
 
 
-@dataclass
+@dataclass(eq=False)
 class _BroadcastJob(_Job):
     """GPU only: receive a state dict over NCCL from the learner (services/rollout/nccl.py)."""
 
@@ -59,52 +101,6 @@ class _BroadcastJob(_Job):
 
 class VersionError(ValueError):
     """A weight push whose version is not newer than the engine's."""
-
-
-def resolve_model(model: str) -> str:
-    from rlep_common.tiny_model import PRESETS, cached_model
-
-    return str(cached_model(model)) if model in PRESETS else model
-
-
-def engine_kwargs(config: EngineConfig) -> dict:
-    """`vllm.LLM` keyword arguments from the config (engine-specific environment set too)."""
-    from vllm.platforms import current_platform
-
-    chunked_prefill = config.enable_chunked_prefill
-    if current_platform.is_cpu():
-        # vLLM-CPU kills the engine core when a seeded request's prefill is split across steps: the
-        # runner rewinds that request's torch.Generator offset (gpu_model_runner._bookkeeping_sync),
-        # which CPU generators lack. Unchunked, vLLM prefills each prompt in one step (budget >= max_model_len).
-        if chunked_prefill is None:
-            chunked_prefill = False
-        elif chunked_prefill:
-            log.warning("chunked prefill on the CPU build: a seeded request whose prefill is split kills the engine")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.kv_cache_space_gib:g}")
-    if config.cpu_threads_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
-    model = resolve_model(config.model)
-    kwargs = dict(
-        model=model,
-        tokenizer=config.tokenizer or model,
-        dtype=config.dtype,
-        tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        enable_chunked_prefill=chunked_prefill,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enforce_eager=config.enforce_eager,
-        seed=config.seed,
-        logprobs_mode=config.logprobs_mode,
-    )
-    kwargs.update(config.extra_args)
-    return kwargs
-
-
-def shutdown_llm(llm) -> None:
-    """Stops a `vllm.LLM`'s engine-core processes now (at interpreter exit they would block the join)."""
-    llm.llm_engine.engine_core.shutdown()
 
 
 class RolloutEngine:
@@ -122,30 +118,72 @@ class RolloutEngine:
         self._max_batch_prompts = max_batch_prompts
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._pending: _Job | None = None
+        self._open: weakref.WeakSet[_Job] = weakref.WeakSet()  # jobs someone may wait on (`fail_waiting`)
+        self._request_ids = itertools.count()
+        self._closing = False
+        self._thread_error: str | None = None
+        # Counters, for metrics and for tests that must see an event happen (`wait_until`).
+        self._changed = threading.Condition()
+        self.generated_tokens = 0
+        self.aborted_requests = 0  # vLLM requests (one per sample) aborted because their caller gave up
+        self.loads_behind_generation = 0  # weight loads that were queued while a batch was generating
+        self.batch_running = False
+        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers joined, GPU only
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
-        self.generated_tokens = 0
-        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers joined, GPU only
 
     @property
     def version(self) -> int:
         return self._version
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def failure(self) -> str | None:
+        """Why this engine can no longer generate (its thread or its engine core died), or None."""
+        if self._closing:
+            return None  # stopping on purpose
+        if self._thread_error or not self._thread.is_alive():
+            return f"the rollout engine thread stopped: {self._thread_error or 'no error recorded'}"
+        return "the vLLM engine core process died" if self._core_dead() else None
+
+    def _core_dead(self) -> bool:
+        # vLLM's flag is set by its monitor thread, which can lag behind the socket errors step() sees first.
+        resources = getattr(self._llm.llm_engine.engine_core, "resources", None)  # None when in-process
+        if resources is None:
+            return False
+        processes = getattr(resources.engine_manager, "processes", [])
+        return resources.engine_dead or bool(connection.wait([p.sentinel for p in processes], timeout=0))
+
+    @property
+    def running_requests(self) -> int:
+        """vLLM requests (one per sample) not finished yet."""
+        return self._llm.llm_engine.get_num_unfinished_requests()
+
+    def wait_until(self, predicate: Callable[[RolloutEngine], bool], timeout_s: float) -> bool:
+        """Blocks until `predicate(self)` holds (checked whenever a counter changes); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout=timeout_s)
+
+    def _count(self, batch_running: bool | None = None, **increments: int) -> None:
+        with self._changed:
+            for name, value in increments.items():
+                setattr(self, name, getattr(self, name) + value)
+            if batch_running is not None:
+                self.batch_running = batch_running
+            self._changed.notify_all()
 
     # -- public API (any thread) --------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, timeout_s: float | None = None):
-        """Samples for token-id prompts; blocks until the batch holding them is done."""
-        job = _GenerateJob(prompts=prompts, sampling=sampling)
-        self._queue.put(job)
-        return job.future.result(timeout=timeout_s)
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling, timeout_s: float | None = None):
+        """Queues token-id prompts; returns the job (`.result(timeout_s)`, `.cancel()`).
+
+        ValueError, raised here in the caller's thread, when vLLM refuses the sampling options.
+        """
+        params = sampling_params(sampling)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return self._put(_GenerateJob(prompts=prompts, params=params, deadline=deadline))
 
     def load_weights(self, path: Path, version: int, timeout_s: float | None = None) -> float:
         """Loads a validated safetensors payload as `version`; returns the load time in seconds."""
-        job = _LoadJob(path=path, version=version)
-        self._queue.put(job)
+        job = self._put(_LoadJob(path=path, version=version, behind_generation=self.batch_running))
         return job.future.result(timeout=timeout_s)
 
     @property
@@ -157,51 +195,76 @@ class RolloutEngine:
 
     def receive_broadcast(self, group, rank_offset: int, entries: Sequence, version: int) -> float:
         """GPU only: joins `group` (first time) and receives `entries` over NCCL as `version`; returns seconds."""
-        job = _BroadcastJob(group=group, rank_offset=rank_offset, entries=entries, version=version)
-        self._queue.put(job)
+        job = self._put(_BroadcastJob(group=group, rank_offset=rank_offset, entries=entries, version=version))
         return job.future.result()
 
+    def fail_waiting(self, reason: str) -> int:
+        """Fails every queued or running job with EngineUnavailable (their callers return at once)."""
+        with self._changed:
+            jobs = list(self._open)
+        return sum(_settle(job.future, error=EngineUnavailable(reason)) for job in jobs)
+
     def close(self) -> None:
+        """Stops now: running requests are aborted, queued callers get EngineUnavailable."""
+        broken = self.failure is not None
+        self._closing = True
         self._queue.put(None)
-        self._thread.join(timeout=30)
-        shutdown_llm(self._llm)
+        self.fail_waiting("the rollout worker is shutting down")
+        if not broken:  # a thread stuck on a dead engine core would never return
+            self._thread.join(timeout=CLOSE_JOIN_S)
+        shutdown_llm(self._llm, ENGINE_SHUTDOWN_S)
+
+    def _put(self, job: _Job) -> _Job:
+        if self._closing or self.failure is not None:
+            raise EngineUnavailable(self.failure or "the rollout worker is shutting down")
+        with self._changed:
+            self._open.add(job)
+        self._queue.put(job)
+        return job
 
     # -- engine thread -----------------------------------------------------------------------
     def _next_job(self) -> _Job | None:
         if self._pending is not None:
             job, self._pending = self._pending, None
-            return job
-        return self._queue.get()
+        else:
+            job = self._queue.get()
+        return None if self._closing else job
 
     def _run(self) -> None:
-        while (job := self._next_job()) is not None:
-            if isinstance(job, _LoadJob):
-                self._finish(job, self._load)
-                continue
-            if isinstance(job, _BroadcastJob):
-                self._finish(job, self._receive_broadcast)
-                continue
-            batch = [job]
-            count = len(job.prompts)
-            while count < self._max_batch_prompts:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(more, _GenerateJob):
-                    self._pending = more  # a load or the stop marker: runs after this batch
-                    break
-                batch.append(more)
-                count += len(more.prompts)
-            self._generate_batch(batch)
+        try:
+            while (job := self._next_job()) is not None:
+                if isinstance(job, _LoadJob):
+                    self._finish(job, self._load)
+                elif isinstance(job, _BroadcastJob):
+                    self._finish(job, self._receive_broadcast)
+                else:
+                    self._generate_batch(self._collect_batch(job))
+        except BaseException as err:  # a bug: the watchdog sees the thread gone and retires the replica
+            self._thread_error = repr(err)
+            log.exception("the rollout engine thread died")
+            raise
         log.info("rollout engine thread stopped")
+
+    def _collect_batch(self, first: _GenerateJob) -> list[_GenerateJob]:
+        batch, count = [first], len(first.prompts)
+        while count < self._max_batch_prompts:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(more, _GenerateJob):
+                self._pending = more  # a load or the stop marker: runs after this batch
+                break
+            batch.append(more)
+            count += len(more.prompts)
+        return batch
 
     @staticmethod
     def _finish(job: _Job, work: Callable) -> None:
         try:
-            job.future.set_result(work(job))
+            _settle(job.future, value=work(job))
         except Exception as err:  # handed to the caller, who maps it to a status
-            job.future.set_exception(err)
+            _settle(job.future, error=err)
 
     def _check_newer(self, version: int) -> None:
         if version <= self._version:
@@ -213,6 +276,8 @@ class RolloutEngine:
         self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
         self._llm.reset_prefix_cache()
         self._version = job.version
+        if job.behind_generation:
+            self._count(loads_behind_generation=1)
         return time.perf_counter() - started
 
     def _receive_broadcast(self, job: _BroadcastJob) -> float:
@@ -233,43 +298,87 @@ class RolloutEngine:
         self._version = job.version
         return time.perf_counter() - started
 
-    def _generate_batch(self, batch: list[_GenerateJob]) -> None:
-        from vllm import SamplingParams
+    def _add_requests(self, job: _GenerateJob) -> list[str]:
+        """Adds one job's prompts to vLLM; if vLLM refuses one, the job's others are taken back."""
         from vllm.inputs import TokensPrompt
 
-        started = time.perf_counter()
-        prompts, params = [], []
-        for job in batch:
-            s = job.sampling
-            sp = SamplingParams(
-                n=s.n,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k if s.top_k > 0 else -1,
-                max_tokens=s.max_tokens,
-                stop=list(s.stop) or None,
-                seed=s.seed,
-                logprobs=0,
-            )
-            for ids in job.prompts:
-                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(sp)
+        engine, ids = self._llm.llm_engine, []
         try:
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        except Exception as err:
-            log.exception("generation failed for a batch of %d prompts", len(prompts))
-            for job in batch:
-                job.future.set_exception(err)
-            return
-        elapsed = time.perf_counter() - started
-        offset = 0
+            for prompt in job.prompts:
+                request_id = str(next(self._request_ids))
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), job.params)
+                ids.append(request_id)
+        except Exception:
+            if ids:
+                engine.abort_request(ids)
+            raise
+        return ids
+
+    def _generate_batch(self, batch: list[_GenerateJob]) -> None:
+        engine = self._llm.llm_engine
+        started = time.perf_counter()
+        live: list[tuple[_GenerateJob, list[str]]] = []
         for job in batch:
-            mine = outputs[offset : offset + len(job.prompts)]
-            offset += len(job.prompts)
+            if job.future.done() or job.gave_up():
+                _settle(job.future, error=CallAbandoned("the caller gave up before generation started"))
+                continue
+            try:
+                live.append((job, self._add_requests(job)))
+            except Exception as err:  # vLLM refused this job's input: only this caller hears of it
+                _settle(job.future, error=self._engine_error(err))
+        self._count(batch_running=True)
+        try:
+            outputs = {}
+            while True:
+                live = self._abort_abandoned(live)
+                if not engine.has_unfinished_requests():  # else step() waits for output that never comes
+                    break
+                outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+            self._deliver(live, outputs, started)
+        except Exception as err:  # the batch's callers get the error; the thread goes on with the next batch
+            log.exception("generation failed for a batch of %d calls", len(live))
+            error = self._engine_error(err)
+            for job, ids in live:
+                if not isinstance(error, EngineUnavailable):
+                    engine.abort_request(ids)
+                _settle(job.future, error=error)
+        finally:
+            self._count(batch_running=False)
+
+    def _engine_error(self, err: Exception) -> Exception:
+        """EngineUnavailable when `err` comes from a dead or closing engine (a killed engine core surfaces
+        as EngineDeadError or as a socket error of its client), else `err` itself."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(err, EngineDeadError) or self._closing or self.failure is not None:
+            return EngineUnavailable(f"the vLLM engine stopped: {err}")
+        return err
+
+    def _abort_abandoned(self, live: list[tuple[_GenerateJob, list[str]]]) -> list[tuple[_GenerateJob, list[str]]]:
+        """Aborts the requests of callers that gave up (or of everyone when closing); returns the rest."""
+        kept = []
+        for job, ids in live:
+            if self._closing or job.future.done() or job.gave_up():
+                unfinished = self.running_requests
+                self._llm.llm_engine.abort_request(ids)
+                _settle(job.future, error=CallAbandoned("the caller gave up; its requests were aborted"))
+                self._count(aborted_requests=unfinished - self.running_requests)
+            else:
+                kept.append((job, ids))
+        return kept
+
+    def _deliver(self, live, outputs: dict, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        tokens_total = 0
+        for job, ids in live:
+            if job.future.done():
+                continue
+            mine = [outputs[i] for i in ids]
             samples = [[self._sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in mine]
             tokens = sum(len(s.token_ids) for group in samples for s in group)
-            self.generated_tokens += tokens
-            job.future.set_result(Generation(samples, self._version, started - job.enqueued, elapsed, tokens))
+            tokens_total += tokens
+            _settle(job.future, value=Generation(samples, self._version, started - job.enqueued, elapsed, tokens))
+        self._count(generated_tokens=tokens_total)
 
     def _sample(self, completion) -> SampleOut:
         ids = list(completion.token_ids)
@@ -281,3 +390,15 @@ class RolloutEngine:
             finish_reason=_FINISH.get(completion.finish_reason or "", FinishReason.ABORT),
             policy_version=self._version,
         )
+
+
+def _settle(future: Future, value=None, error: BaseException | None = None) -> bool:
+    """Completes `future` unless it is done already (a job may be failed by `fail_waiting` meanwhile)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except Exception:  # InvalidStateError: settled first by another thread
+        return False
+    return True

@@ -1,20 +1,79 @@
-"""Rollout worker entry point: config -> vLLM engine -> gRPC server (+ /metrics)."""
+"""Rollout worker entry point: config -> vLLM engine -> gRPC server (+ /metrics), a watchdog, stopping.
+
+A worker whose engine thread or vLLM engine core died cannot generate again, so it must not look
+healthy: the watchdog turns the gRPC health check NOT_SERVING, releases every waiting caller with
+UNAVAILABLE (clients retry elsewhere) and, for `rlep serve rollout`, ends the process with a non-zero
+status so its supervisor (Kubernetes, compose, systemd) starts a new one. Under Ray Serve,
+`RolloutReplica.check_health` reads the same failure and Serve replaces the replica.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health
 
 from rlep_common.grpc_utils import add_validated_servicer, build_server
-from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
+from rlep_common.lifecycle import start_metrics
 from rlep_common.metrics import MetricsServer, service_registry
-from services.rollout.config import RolloutConfig
+from services.rollout.config import RolloutConfig, default_staging_dir
 from services.rollout.engine import RolloutEngine
 from services.rollout.server import SERVICE, RolloutMetrics, RolloutServicer
+from services.rollout.staging import sweep_stale
 
 log = logging.getLogger(__name__)
+
+# How often the watchdog looks at the engine: a dead engine is noticed within this, plus a stop.
+WATCHDOG_PERIOD_S = 0.5
+# Seconds in-flight RPCs get to finish when the worker stops (a running batch is aborted anyway).
+STOP_GRACE_S = 1.0
+# A stop that has not finished by then (a stuck thread) ends the process the hard way.
+HARD_EXIT_AFTER_S = 15.0
+ENGINE_FAILED_EXIT_CODE = 3
+
+
+class EngineWatchdog:
+    """Retires a worker whose engine died: health NOT_SERVING, waiting callers released, `on_failure(reason)`."""
+
+    def __init__(
+        self,
+        failure: Callable[[], str | None],
+        release: Callable[[str], object],
+        health_servicer: health.HealthServicer,
+        on_failure: Callable[[str], None] | None = None,
+        period_s: float = WATCHDOG_PERIOD_S,
+    ):
+        self._failure, self._release, self._health, self._on_failure = failure, release, health_servicer, on_failure
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self.reason: str | None = None
+        self.tripped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rollout-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._period_s):
+            reason = self._failure()
+            if reason is None:
+                continue
+            log.error("rollout worker retiring: %s", reason)
+            self.reason = reason
+            self._health.enter_graceful_shutdown()  # every service name NOT_SERVING, for good
+            self._release(reason)
+            self.tripped.set()
+            if self._on_failure is not None:
+                self._on_failure(reason)
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 @dataclass
@@ -25,41 +84,57 @@ class RunningRollout:
     port: int
     engine: RolloutEngine
     metrics_server: MetricsServer | None
+    health: health.HealthServicer
+    watchdog: EngineWatchdog
 
     @property
     def metrics_port(self) -> int | None:
         return self.metrics_server.port if self.metrics_server else None
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        self.server.stop(grace_s).wait()
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.watchdog.stop()
+        self.health.enter_graceful_shutdown()  # probes and load balancers stop sending work first
+        self.server.stop(grace_s).wait()  # calls still running then are cancelled: their requests get aborted
+        self.engine.close()  # aborts any batch at its next step and releases whoever still waits
         if self.metrics_server:
             self.metrics_server.stop()
-        self.engine.close()
 
 
-def start_rollout(config: RolloutConfig) -> RunningRollout:
+def start_rollout(config: RolloutConfig, on_failure: Callable[[str], None] | None = None) -> RunningRollout:
+    """Starts a worker. `on_failure(reason)` runs (watchdog thread) when its engine dies."""
+    # Payload files of a killed worker or learner on this host take shared memory until removed.
+    sweep_stale([config.staging_dir, default_staging_dir()])
     registry = service_registry("rollout")
     metrics = RolloutMetrics(registry)
     engine = RolloutEngine(config.engine, config.initial_version, config.max_batch_prompts)
     try:
         servicer = RolloutServicer(engine, config, metrics)
-        server, port, _ = build_server(
+        server, port, health_servicer = build_server(
             config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
         )
         metrics_server = start_metrics(registry, config.server)
     except BaseException:
         engine.close()
         raise
-    return RunningRollout(server, port, engine, metrics_server)
+    watchdog = EngineWatchdog(lambda: engine.failure, engine.fail_waiting, health_servicer, on_failure)
+    return RunningRollout(server, port, engine, metrics_server, health_servicer, watchdog)
 
 
 def serve_forever(config: RolloutConfig) -> None:
-    """Runs until SIGINT/SIGTERM."""
-    running = start_rollout(config)
+    """Runs until SIGINT/SIGTERM (exit 0) or until the engine dies (exit ENGINE_FAILED_EXIT_CODE)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    running = start_rollout(config, on_failure=lambda _: stop.set())
     print(
         f"rollout listening on {config.server.host}:{running.port} metrics={running.metrics_port}"
         f" model={running.engine.model_path} version={running.engine.version}",
         flush=True,
     )
-    wait_for_stop_signal()
+    stop.wait()
+    code = ENGINE_FAILED_EXIT_CODE if running.watchdog.reason else 0
+    hard_exit = threading.Timer(HARD_EXIT_AFTER_S, os._exit, (code or 1,))
+    hard_exit.daemon = True
+    hard_exit.start()
     running.stop()
+    sys.exit(code)

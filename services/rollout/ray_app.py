@@ -108,8 +108,9 @@ class RolloutReplica:
         return self.address
 
     def check_health(self) -> None:
-        if not self._running.engine.alive:
-            raise RuntimeError("the rollout engine thread stopped")
+        # The worker's watchdog also turns its gRPC health NOT_SERVING; Serve replaces the replica.
+        if (reason := self._running.engine.failure) is not None:
+            raise RuntimeError(reason)
 
     def __del__(self) -> None:
         try:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
+import logging
 import os
 import re
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import grpc
@@ -23,10 +22,14 @@ from rlep_common.files import sha256_file
 from rlep_common.grpc_utils import check_request_size, reject_unknown_fields
 from rlep_common.wire import FINISH_TO_PROTO
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import RolloutEngine, VersionError
+from services.rollout.engine import CallAbandoned, EngineUnavailable, RolloutEngine, VersionError
 from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest
-from services.rollout.types import Generation, Sampling
+from services.rollout.sampling import sampling_from_request
+from services.rollout.staging import WORKER_PREFIX, staged_file
+from services.rollout.types import Generation
 from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header
+
+log = logging.getLogger(__name__)
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"]
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -104,7 +107,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         check_request_size(request, context, self._config.server.max_request_bytes)
         reject_unknown_fields(request, context)
         try:
-            sampling = self._sampling(request)
+            sampling = sampling_from_request(request, self._config)
             prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
             for i, ids in enumerate(prompts):
                 if len(ids) + sampling.max_tokens > self._engine.max_model_len:
@@ -112,48 +115,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                         f"prompts[{i}]: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed "
                         f"the model length {self._engine.max_model_len}"
                     )
+            job = self._engine.submit(prompts, sampling, timeout_s=context.time_remaining())
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        remaining = context.time_remaining()
+        except EngineUnavailable as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        # A client that cancels or disconnects ends the call: its vLLM requests are aborted at the next step.
+        if not context.add_callback(job.cancel):
+            job.cancel()
         try:
-            generation = self._engine.generate(prompts, sampling, timeout_s=remaining)
+            generation = job.result(context.time_remaining())
         except TimeoutError:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "generation did not finish within the deadline")
+        except CallAbandoned as err:
+            context.abort(grpc.StatusCode.CANCELLED, str(err))
+        except EngineUnavailable as err:  # the client retries the shard on another replica
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except ValueError as err:  # vLLM refused a prompt our checks let through
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except Exception as err:
+            log.exception("Generate failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {err}")
         self._record(generation)
         return self._response(prompts, generation)
-
-    def _sampling(self, request: rollout_pb2.GenerateRequest) -> Sampling:
-        config, s = self._config, request.sampling
-        count = len(request.prompts)
-        if count == 0:
-            raise ValueError("no prompts")
-        if count > config.max_prompts_per_request:
-            raise ValueError(f"{count} prompts, over the limit of {config.max_prompts_per_request}; split the request")
-        if not 1 <= s.n <= config.max_n:
-            raise ValueError(f"sampling.n must be in [1, {config.max_n}], got {s.n}")
-        if count * s.n > config.max_samples_per_request:
-            raise ValueError(
-                f"{count} prompts x n={s.n} samples, over the limit of {config.max_samples_per_request}; split it"
-            )
-        if not (math.isfinite(s.temperature) and 0 <= s.temperature <= 100):
-            raise ValueError(f"sampling.temperature must be in [0, 100], got {s.temperature}")
-        if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
-            raise ValueError(f"sampling.top_p must be in (0, 1] (0 = 1.0), got {s.top_p}")
-        if s.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
-        if s.max_tokens < 1:
-            raise ValueError(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
-        if len(s.stop) > 64 or any(not stop for stop in s.stop):
-            raise ValueError("sampling.stop takes at most 64 non-empty strings")
-        return Sampling(
-            n=s.n,
-            temperature=s.temperature,
-            top_p=s.top_p or 1.0,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-            stop=tuple(s.stop),
-            seed=s.seed if s.HasField("seed") else None,
-        )
 
     def _prompt_ids(self, index: int, prompt: rollout_pb2.Prompt) -> list[int]:
         kind = prompt.WhichOneof("kind")
@@ -231,10 +215,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if second is not None and second.WhichOneof("kind") == "nccl_broadcast":
             return self._update_by_broadcast(header, second.nccl_broadcast, chunks, context)
         chunks = itertools.chain([second] if second is not None else [], chunks)
-        staged: Path | None = None
-        try:
+        with ExitStack() as staging:  # a streamed payload's file lives until the load is done
             try:
-                path, staged, digest = self._receive(chunks, header)
+                path, digest = self._receive(chunks, header, staging)
                 if digest != header.sha256:
                     raise WeightError("sha256 of the payload does not match the header")
                 self._spec.check(read_header(path))
@@ -245,9 +228,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 load_seconds = self._engine.load_weights(path, header.version)
             except VersionError as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        finally:
-            if staged is not None:
-                staged.unlink(missing_ok=True)
+            except EngineUnavailable as err:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         self._metrics.weight_version.set(self._engine.version)
         return rollout_pb2.UpdateWeightsResponse(
             version=header.version, receive_seconds=received, load_seconds=load_seconds
@@ -301,36 +283,32 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return f"header.total_bytes {header.total_bytes} is not a plausible size for this model"
         return None
 
-    def _receive(self, chunks, header) -> tuple[Path, Path | None, str]:
-        """The payload's path, the staged file to delete afterwards (None for a shared file), its sha256."""
+    def _receive(self, chunks, header, staging: ExitStack) -> tuple[Path, str]:
+        """The payload's path and its sha256. A streamed payload is staged in a locked file that `staging`
+        removes (services/rollout/staging.py); a shared file stays its sender's."""
         first = next(chunks, None)
         if first is not None and first.WhichOneof("kind") == "shared_file":
             if next(chunks, None) is not None:
                 raise WeightError("nothing may follow a shared_file chunk")
             path = self._shared_file(first.shared_file, header.total_bytes)
-            return path, None, sha256_file(path)
-        fd, name = tempfile.mkstemp(prefix="rlep-weights-", suffix=".safetensors", dir=self._config.staging_dir)
-        staged = Path(name)
+            return path, sha256_file(path)
+        fd, staged = staging.enter_context(staged_file(self._config.staging_dir, WORKER_PREFIX))
         written = 0
         digest = hashlib.sha256()  # hashed on arrival: no second pass over the file
-        try:
-            with os.fdopen(fd, "wb") as out:
-                chunk = first
-                while chunk is not None:
-                    if chunk.WhichOneof("kind") != "data":
-                        raise WeightError("after the header, send only data chunks (or one shared_file)")
-                    written += len(chunk.data)
-                    if written > header.total_bytes:
-                        raise WeightError(f"more bytes than header.total_bytes ({header.total_bytes})")
-                    out.write(chunk.data)
-                    digest.update(chunk.data)
-                    chunk = next(chunks, None)
-            if written != header.total_bytes:
-                raise WeightError(f"received {written} bytes, header.total_bytes says {header.total_bytes}")
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
-        return staged, staged, digest.hexdigest()
+        with open(fd, "wb", closefd=False) as out:  # the descriptor holds the lock: it stays open
+            chunk = first
+            while chunk is not None:
+                if chunk.WhichOneof("kind") != "data":
+                    raise WeightError("after the header, send only data chunks (or one shared_file)")
+                written += len(chunk.data)
+                if written > header.total_bytes:
+                    raise WeightError(f"more bytes than header.total_bytes ({header.total_bytes})")
+                out.write(chunk.data)
+                digest.update(chunk.data)
+                chunk = next(chunks, None)
+        if written != header.total_bytes:
+            raise WeightError(f"received {written} bytes, header.total_bytes says {header.total_bytes}")
+        return staged, digest.hexdigest()
 
     def _shared_file(self, name: str, total_bytes: int) -> Path:
         path = Path(name).resolve()
@@ -346,6 +324,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     # -- GetStatus ---------------------------------------------------------------------------
     def GetStatus(self, request: rollout_pb2.GetStatusRequest, context: grpc.ServicerContext):
         with self._observe("GetStatus", context):
+            if (reason := self._engine.failure) is not None:  # clients then count this replica as down
+                context.abort(grpc.StatusCode.UNAVAILABLE, reason)
             return rollout_pb2.RolloutStatus(
                 policy_version=self._engine.version,
                 model=self._engine.model_path,

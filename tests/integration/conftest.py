@@ -137,10 +137,10 @@ def eval_rollout(auth_token_file):
 
 
 @pytest.fixture
-def eval_config(rollout, verifier, redis_url, auth_token_file):
+def eval_config(rollout, verifier, redis_url, auth_token_file, tmp_path):
     """An eval service config over the session's real rollout and verifier, small limits, a 2 s lease, and a
     fresh Redis key prefix (deleted afterwards: the CI Redis is shared). No checkpoint_rollout: tests that
-    evaluate checkpoints add `eval_rollout`."""
+    evaluate checkpoints add `eval_rollout`. User files are allowed under the test's tmp_path only."""
     import uuid
 
     import redis
@@ -158,6 +158,7 @@ def eval_config(rollout, verifier, redis_url, auth_token_file):
             "limits": {"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_queued_jobs": 20},
             "questions_per_call": 4,
             "lease_s": 2,
+            "allowed_roots": [str(tmp_path)],
         }
     )
     yield config

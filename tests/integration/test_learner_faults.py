@@ -63,14 +63,36 @@ def _replica_pids(trainer) -> list[int]:
     return [s.pid for s in trainer.services.rollout.status()]
 
 
+class KillingStub:
+    """A replica's stub whose first Generate SIGKILLs that replica once the call is on its way."""
+
+    def __init__(self, stub, pid: int):
+        self._stub, self._pid = stub, pid
+        self.killed = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+    def Generate(self, request, timeout=None):  # noqa: N802 - the stub's method name
+        call = self._stub.Generate.future(request, timeout=timeout)
+        if not self.killed.is_set():
+            self.killed.set()
+            os.kill(self._pid, signal.SIGKILL)
+        return call.result()
+
+
 def test_rollout_replica_killed_mid_step(fault_setup):
     trainer, stack = fault_setup
-    assert len(trainer.services.rollout.replicas) == 2
-    victim = _replica_pids(trainer)[0]
+    client = trainer.services.rollout
+    assert len(client.replicas) == 2
+    victim_replica, victim = client.replicas[0], client.status()[0].pid  # status() follows replicas' order
     first = trainer.train_step()
-    # The kill lands while the next step is generating; its shard is retried on the other replica.
-    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+    # The replica dies while a shard of the next step is out to it; the shard must be retried on the other one.
+    victim_replica.stub = KillingStub(victim_replica.stub, victim)
+    failovers = client.failovers
     second = trainer.train_step()
+    assert victim_replica.stub.killed.is_set(), "the step sent no shard to the victim"
+    assert client.failovers > failovers, "no shard was retried on the other replica"
     assert second["step"] == first["step"] + 1
     assert second["sequences"] == 8 * (8 + 2)  # nothing lost: every question got all G fresh samples
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import time
+import urllib.error
 
 import grpc
 import pytest
@@ -106,13 +108,15 @@ def test_zero_weights_through_shared_memory_give_uniform_logprobs(rollout_client
 
 
 def test_a_response_never_mixes_versions_under_concurrent_pushes(rollout_client, rollout, hf_model):
+    engine = rollout.engine
     seen: list[set[int]] = []  # the versions found in each response
     errors: list[BaseException] = []
+    stop = threading.Event()
 
     def generate_repeatedly():
         try:
-            for _ in range(4):
-                completions = rollout_client.generate([PROMPT] * 4, Sampling(n=4, max_tokens=16))
+            while not stop.is_set():
+                completions = rollout_client.generate([PROMPT] * 4, Sampling(n=4, max_tokens=64))
                 seen.append({s.policy_version for c in completions for s in c.samples})
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
@@ -120,16 +124,76 @@ def test_a_response_never_mixes_versions_under_concurrent_pushes(rollout_client,
     threads = [threading.Thread(target=generate_repeatedly) for _ in range(3)]
     for t in threads:
         t.start()
-    start = rollout.engine.version
-    for step in (1, 2):
-        rollout_client.push_weights(perturbed_state_dict(hf_model, start + step), start + step)
-    for t in threads:
-        t.join()
+    start, behind = engine.version, engine.loads_behind_generation
+    pushed = 0
+    try:
+        while pushed < 2 or (engine.loads_behind_generation == behind and pushed < 6):
+            # Pushed while a batch generates, the load has to wait for that batch: what this test is about.
+            assert engine.wait_until(lambda e: e.batch_running, timeout_s=60)
+            pushed += 1
+            rollout_client.push_weights(perturbed_state_dict(hf_model, start + pushed), start + pushed)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert not errors
-    assert len(seen) == 12
+    assert engine.loads_behind_generation > behind, "no push landed while a batch was generating"
     assert all(len(versions) == 1 for versions in seen), seen
-    assert set().union(*seen) <= {start, start + 1, start + 2}
-    assert rollout.engine.version == start + 2
+    assert set().union(*seen) <= set(range(start, start + pushed + 1))
+    assert engine.version == start + pushed
+
+
+def _long_call(stub, timeout_s: float):
+    """Far more work than the tests wait for: 64 prompts x 16 samples x up to 480 tokens (~100 on average)."""
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(text=f"Q: {i}+{i}=?\nA: ") for i in range(64)],
+        sampling=rollout_pb2.SamplingOptions(n=16, temperature=1.0, max_tokens=480),
+    )
+    return stub.Generate.future(request, timeout=timeout_s)
+
+
+def test_a_cancelled_generate_aborts_its_vllm_requests(stub, rollout):
+    engine = rollout.engine
+    aborted = engine.aborted_requests
+    call = _long_call(stub, timeout_s=300)
+    assert engine.wait_until(lambda e: e.batch_running and e.running_requests > 0, timeout_s=120)
+    call.cancel()
+    assert engine.wait_until(lambda e: e.aborted_requests > aborted, timeout_s=60), "the cancelled call kept running"
+    assert engine.running_requests == 0
+    # The engine is free at once: a small call does not wait for the abandoned one's ~100k tokens.
+    started = time.monotonic()
+    assert _generate(stub, [TEXT]).completions[0].samples[0].token_ids
+    print(f"small Generate right after a cancelled long one: {time.monotonic() - started:.2f} s")
+
+
+def test_a_generate_past_its_deadline_aborts_its_vllm_requests(stub, rollout):
+    engine = rollout.engine
+    aborted = engine.aborted_requests
+    call = _long_call(stub, timeout_s=3)
+    assert call.exception(timeout=60).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert engine.wait_until(lambda e: e.aborted_requests > aborted, timeout_s=60), "work went on past the deadline"
+    assert engine.running_requests == 0
+
+
+def test_refused_sampling_leaves_the_replica_serving(stub, rollout):
+    """vLLM refuses these inside SamplingParams: built on the engine thread they would kill it and wedge the replica."""
+    refused = [
+        ({"n": 2, "temperature": 0.0}, "greedy sampling gives n identical samples; send n=1 or temperature > 0"),
+        ({"temperature": 5.0}, "sampling.temperature must be in [0, 2]"),
+    ]
+    for sampling, message in refused:
+        with pytest.raises(grpc.RpcError) as info:
+            _generate(stub, [TEXT], timeout_s=30, **sampling)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+    # Still generating, with any seed the proto can carry.
+    for seed in (-(2**63), 2**63 - 1):
+        reply = _generate(stub, [TEXT], timeout_s=60, n=2, temperature=1.0, seed=seed)
+        assert all(s.token_ids for s in reply.completions[0].samples)
+    assert engine_ok(rollout)
+
+
+def engine_ok(rollout) -> bool:
+    return rollout.engine.failure is None and not rollout.watchdog.tripped.is_set()
 
 
 def _abort_code(call) -> grpc.StatusCode:
@@ -138,10 +202,10 @@ def _abort_code(call) -> grpc.StatusCode:
     return info.value
 
 
-def _generate(stub, prompts, **sampling) -> rollout_pb2.GenerateResponse:
+def _generate(stub, prompts, timeout_s: float = 120, **sampling) -> rollout_pb2.GenerateResponse:
     options = {"n": 1, "max_tokens": 8, **sampling}
     return stub.Generate(
-        rollout_pb2.GenerateRequest(prompts=prompts, sampling=rollout_pb2.SamplingOptions(**options)), timeout=120
+        rollout_pb2.GenerateRequest(prompts=prompts, sampling=rollout_pb2.SamplingOptions(**options)), timeout=timeout_s
     )
 
 
@@ -239,20 +303,45 @@ def test_rpcs_need_the_token(rollout):
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file):
-    rollout_client.generate(["Q: 3+3=?\nA: "], Sampling(n=2, max_tokens=8))
+def _value(text: str, series: str) -> float:
+    """A counter's value, 0 before its first increment (a labelled series appears only then)."""
+    try:
+        return series_value(text, series)
+    except AssertionError:
+        return 0.0
+
+
+def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file, hf_model):
+    token = auth_token_file.read_text().strip()
+    before = scrape(rollout.metrics_port, token)
+    [completion] = rollout_client.generate(["Q: 3+3=?\nA: "], Sampling(n=2, max_tokens=8))
+    tokens = sum(len(s.token_ids) for s in completion.samples)
+    version = rollout.engine.version + 1
+    rollout_client.push_weights(perturbed_state_dict(hf_model, version), version)
     status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
-    assert status.policy_version == rollout.engine.version
+    assert status.policy_version == version
     assert status.vocab_size == 128 and status.max_model_len == 512 and status.generated_tokens > 0
-    text = scrape(rollout.metrics_port, auth_token_file.read_text().strip())
-    assert service_labels(text) == {"rollout"}
-    assert series_value(text, "rlep_rollout_generated_tokens_total") >= status.generated_tokens - 1e-6
-    assert series_value(text, "rlep_rollout_weight_version") == rollout.engine.version
-    assert series_value(text, 'rlep_rollout_requests_total{code="OK",method="Generate"}') > 0
-    assert series_value(text, "rlep_rollout_queue_seconds_count") > 0
-    for series in ("rlep_rollout_weight_update_seconds_count", "rlep_rollout_requests_in_flight"):
-        series_value(text, series)  # raises when not exported
-    series_value(text, "rlep_rollout_batch_tokens_per_second")
+    after = scrape(rollout.metrics_port, token)
+    assert service_labels(after) == {"rollout"}
+
+    def grew(series: str) -> float:
+        return _value(after, series) - _value(before, series)
+
+    # One Generate and one push happened between the two scrapes, and nothing else did.
+    assert grew("rlep_rollout_generated_tokens_total") == tokens
+    assert grew('rlep_rollout_requests_total{code="OK",method="Generate"}') == 1
+    assert grew('rlep_rollout_requests_total{code="OK",method="UpdateWeights"}') == 1
+    assert grew("rlep_rollout_generate_seconds_count") == 1 and grew("rlep_rollout_queue_seconds_count") == 1
+    assert grew("rlep_rollout_weight_update_seconds_count") == 1
+    assert series_value(after, "rlep_rollout_weight_version") == version
+    assert series_value(after, "rlep_rollout_requests_in_flight") == 0
+    assert series_value(after, "rlep_rollout_batch_tokens_per_second") > 0
+
+
+def test_metrics_need_the_token(rollout):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        scrape(rollout.metrics_port)
+    assert info.value.code == 401
 
 
 def _broadcast_push(stub, version: int, entries, **override):

@@ -1,12 +1,14 @@
-"""Pure logic of the rollout client and request checks: sharding, prompt kinds, unknown fields."""
+"""Pure logic of the rollout client and request checks: sharding, prompt kinds, unknown fields, failover."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from rlep.rollout.v1 import rollout_pb2
 from rlep_common.grpc_utils import unknown_field_paths
-from services.rollout.client import prompt_to_proto, split_evenly
+from services.rollout.client import RolloutClient, prompt_to_proto, split_evenly
+from services.rollout.types import Sampling
 
 
 @pytest.mark.parametrize(("count", "parts"), [(10, 3), (2, 5), (0, 2), (7, 1), (64, 4)])
@@ -31,3 +33,35 @@ def test_unknown_fields_are_found_at_any_depth():
     nested = rollout_pb2.Prompt.FromString(rollout_pb2.Prompt(text="b").SerializeToString() + varint_field_77)
     request.prompts[1].CopyFrom(nested)
     assert unknown_field_paths(request) == ["GenerateRequest.prompts[1]"]
+
+
+class _Down(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "replica gone"
+
+
+class _Stub:
+    def __init__(self, reply=None):
+        self.reply, self.calls = reply, 0
+
+    def Generate(self, request, timeout=None):  # noqa: N802 - the gRPC stub's method name
+        self.calls += 1
+        if self.reply is None:
+            raise _Down()
+        return self.reply
+
+
+def test_a_shard_whose_replica_is_down_goes_to_the_next_and_is_counted():
+    reply = rollout_pb2.GenerateResponse(completions=[rollout_pb2.Completion(prompt_token_ids=[1, 2])])
+    client = RolloutClient(["127.0.0.1:1", "127.0.0.1:2"], attempts=1)
+    try:
+        down, up = _Stub(), _Stub(reply)
+        client.replicas[0].stub, client.replicas[1].stub = down, up
+        [completion] = client.generate([[1, 2]], Sampling(max_tokens=4))
+        assert completion.prompt_token_ids == [1, 2]
+        assert (down.calls, up.calls, client.failovers) == (1, 1, 1)
+    finally:
+        client.close()

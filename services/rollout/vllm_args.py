@@ -1,0 +1,79 @@
+"""From our configs to vLLM's arguments: engine keyword arguments, sampling parameters, engine shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from services.rollout.config import EngineConfig
+from services.rollout.types import Sampling
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(model: str) -> str:
+    from rlep_common.tiny_model import PRESETS, cached_model
+
+    return str(cached_model(model)) if model in PRESETS else model
+
+
+def engine_kwargs(config: EngineConfig) -> dict:
+    """`vllm.LLM` keyword arguments from the config (engine-specific environment set too)."""
+    from vllm.platforms import current_platform
+
+    chunked_prefill = config.enable_chunked_prefill
+    if current_platform.is_cpu():
+        # vLLM-CPU kills the engine core when a seeded request's prefill is split across steps: the
+        # runner rewinds that request's torch.Generator offset (gpu_model_runner._bookkeeping_sync),
+        # which CPU generators lack. Unchunked, vLLM prefills each prompt in one step (budget >= max_model_len).
+        if chunked_prefill is None:
+            chunked_prefill = False
+        elif chunked_prefill:
+            log.warning("chunked prefill on the CPU build: a seeded request whose prefill is split kills the engine")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.kv_cache_space_gib:g}")
+    if config.cpu_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    model = resolve_model(config.model)
+    kwargs = dict(
+        model=model,
+        tokenizer=config.tokenizer or model,
+        dtype=config.dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enable_chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        logprobs_mode=config.logprobs_mode,
+    )
+    kwargs.update(config.extra_args)
+    return kwargs
+
+
+def sampling_params(sampling: Sampling):
+    """vLLM's SamplingParams for `sampling`; ValueError when vLLM refuses them (call it in the caller's thread)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+
+    try:
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done
+        )
+    except VLLMValidationError as err:  # not a ValueError subclass
+        raise ValueError(f"vLLM refuses these sampling options: {err}") from err
+
+
+def shutdown_llm(llm, timeout_s: float | None = None) -> None:
+    """Stops a `vllm.LLM`'s engine-core processes now (at interpreter exit they would block the join)."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)

@@ -1,0 +1,114 @@
+"""`rlep serve rollout` as a process under a supervisor: it stops within seconds on SIGTERM, it retires itself
+(NOT_SERVING, non-zero exit) when its vLLM engine core dies, and it removes a killed worker's payload files."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep_common.grpc_utils import make_channel
+from services.rollout.main import ENGINE_FAILED_EXIT_CODE
+from tests.conftest import free_port
+from tests.integration.test_serve_cli import rlep_command, wait_serving
+from tests.unit.test_rollout_staging import MAKER
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SETS = ["engine.enforce_eager=true", "engine.dtype=float32", "engine.max_model_len=512", "max_n=64"]
+# A stop that waits for the running batch, then vLLM's default 5 s engine shutdown, took ~40 s here; aborting
+# takes 5-9 s on 2 busy cores (load average ~15). Past 15 s the worker's own hard exit (status 1) fires.
+STOP_WITHIN_S = 15.0
+
+
+def start_worker(staging_dir) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    sets = [*SETS, f"staging_dir={staging_dir}"]
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_serving(port, timeout_s=600)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, port
+
+
+def long_call(stub: rollout_pb2_grpc.RolloutStub, timeout_s: float) -> grpc.Future:
+    """A call that generates far longer than the tests wait (64 prompts x 16 samples x up to 480 tokens)."""
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(text=f"Q: {i}+{i}=?\nA: ") for i in range(64)],
+        sampling=rollout_pb2.SamplingOptions(n=16, temperature=1.0, max_tokens=480),
+    )
+    call = stub.Generate.future(request, timeout=timeout_s)
+    deadline = time.monotonic() + 60
+    while stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).requests_in_flight < 1:  # the call is in
+        assert time.monotonic() < deadline and not call.done(), "the long call never reached the worker"
+    return call
+
+
+def dead_makers_payload(directory) -> str:
+    """A payload file whose maker (a process staging it like a worker) was SIGKILLed."""
+    maker = subprocess.Popen([sys.executable, "-c", MAKER, str(directory)], stdout=subprocess.PIPE, text=True)
+    path = maker.stdout.readline().strip()
+    maker.kill()
+    maker.wait()
+    return path
+
+
+def test_sigterm_stops_a_generating_worker_within_seconds_and_leftovers_go_at_start(tmp_path):
+    leftover = dead_makers_payload(tmp_path)
+    assert leftover and (tmp_path / leftover).exists()
+    proc, port = start_worker(tmp_path)
+    try:
+        assert not (tmp_path / leftover).exists(), "a killed worker's payload outlived the next start"
+        stub = rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{port}"))
+        call = long_call(stub, timeout_s=300)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        stopped_s = time.monotonic() - started
+    finally:
+        proc.kill()
+    print(f"SIGTERM during generation: exited {proc.returncode} after {stopped_s:.1f} s")
+    assert proc.returncode == 0 and stopped_s < STOP_WITHIN_S
+    assert call.exception(timeout=10).code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def test_a_dead_engine_core_retires_the_worker(tmp_path):
+    proc, port = start_worker(tmp_path)
+    try:
+        channel = make_channel(f"127.0.0.1:{port}")
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        call = long_call(stub, timeout_s=120)
+        [core] = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
+        core.kill()
+        killed = time.monotonic()
+        statuses = []
+        try:
+            for reply in watch:
+                statuses.append(reply.status)
+                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        except grpc.RpcError:  # the worker went away; what it said before is in `statuses`
+            pass
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        # The in-flight call fails over (UNAVAILABLE), and the process ends for its supervisor to restart it.
+        assert call.exception(timeout=60).code() == grpc.StatusCode.UNAVAILABLE
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    print(f"engine core killed: exit {proc.returncode} after {time.monotonic() - killed:.1f} s")
+    assert proc.returncode == ENGINE_FAILED_EXIT_CODE
