@@ -19,7 +19,9 @@ def grpc_serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from rlep_common.grpc_utils import make_channel
+
+    with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, as for every client
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError:
@@ -28,8 +30,13 @@ def grpc_serving(address: str) -> bool:
 
 
 def http_ok(url: str) -> bool:
+    import os
+    import ssl
+
+    ca_file = os.environ.get("RLEP_TLS_CA_FILE")
+    context = ssl.create_default_context(cafile=ca_file) if ca_file and url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as reply:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as reply:
             return reply.status == 200
     except (urllib.error.URLError, OSError):
         return False

@@ -58,7 +58,9 @@ def _answers(address: str, timeout_s: float = 5.0) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from rlep_common.grpc_utils import make_channel
+
+    with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, like every client
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

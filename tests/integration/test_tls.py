@@ -126,3 +126,21 @@ def test_the_learners_metrics_serve_tls_when_configured(tmp_path):
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read()
     finally:
         server.stop()
+
+
+def test_the_container_healthcheck_speaks_tls_with_the_ca(tls_server):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port, metrics_port, cert_file = tls_server
+    script = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
+
+    def check(env: dict, *args: str) -> int:
+        return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}, timeout=30).returncode
+
+    with_ca = {CA_FILE_ENV: str(cert_file), SERVER_NAME_ENV: "localhost"}
+    assert check(with_ca, "grpc", f"127.0.0.1:{port}") == 0
+    assert check(with_ca, "http", f"https://localhost:{metrics_port}/healthz") == 0
+    assert check({}, "grpc", f"127.0.0.1:{port}") == 1  # plaintext against a TLS port: not serving
