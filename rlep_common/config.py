@@ -78,12 +78,9 @@ class ServerConfig(TlsFiles):
         return self
 
     def read_auth_token(self) -> str | None:
-        if self.auth_token_file is None:
-            return None
-        token = self.auth_token_file.read_text().strip()
-        if not token:
-            raise ValueError(f"auth_token_file {self.auth_token_file} is empty")
-        return token
+        from rlep_common.files import read_token_file
+
+        return read_token_file(self.auth_token_file)
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from rlep_common.files import read_token_file
+
 pool_app = typer.Typer(
     help="Inspect, import, export and drop replay pools (talks to `rlep serve replay`).", no_args_is_help=True
 )
@@ -21,7 +23,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50062"
 def _client(address: str, token_file: Path | None):
     from services.replay.client import ReplayClient
 
-    token = token_file.read_text().strip() if token_file else None
+    token = read_token_file(token_file)
     return ReplayClient(address, token=token)
 
 

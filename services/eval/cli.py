@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rlep_common.files import read_token_file
 from services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
 from services.eval.client import EvalApiError, EvalClient
-from services.eval.config import read_token_file
 
 
 def parse_datasets(text: str) -> list[DatasetRequest]:

@@ -14,18 +14,9 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from rlep_common.config import StrictModel, TlsFiles
+from rlep_common.files import read_token_file
 
 DEFAULT_PORT = 8080
-
-
-def read_token_file(path: Path | None) -> str | None:
-    """The bearer token in `path` (the gRPC services' convention: one line), or None without a file."""
-    if path is None:
-        return None
-    token = path.read_text().strip()
-    if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    return token
 
 
 class _WithTokenFile(StrictModel):

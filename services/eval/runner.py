@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from rlep_common.files import load_safetensors
 from rlep_common.types import FinishReason
 from services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from services.eval.config import EvalConfig
@@ -57,12 +58,7 @@ def describe_error(err: BaseException) -> str:
 
 def load_checkpoint(model: str, allowed_roots: list[Path] | None) -> dict:
     """A checkpoint's full state dict from its safetensors files (never unpickled)."""
-    from safetensors.torch import load_file
-
-    state_dict: dict = {}
-    for path in checkpoint_files(model, allowed_roots):
-        state_dict.update(load_file(str(path)))
-    return state_dict
+    return load_safetensors(checkpoint_files(model, allowed_roots))
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlep_common.files import load_safetensors
 from rlep_common.types import Source, Trajectory, Verdict
 from services.learner.config import CollectConfig
 from services.learner.data import Question
@@ -223,11 +224,7 @@ def _collect_chunk(
 
 def push_checkpoint(rollout, model_dir: Path) -> int:
     """Serves a checkpoint's weights on every replica as a new version; returns that version."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(file)))
+    state = load_safetensors(sorted(Path(model_dir).glob("*.safetensors")))
     version = max(rollout.versions()) + 1
     rollout.push_weights(state, version)
     return version

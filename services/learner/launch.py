@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from rlep_common.files import read_token_file
 from services.learner.batch import ExperienceBatch
 from services.learner.config import TrainConfig
 from services.learner.trainer import Services
@@ -208,7 +209,7 @@ class LocalStack:
         self._serve_started = False
         self.services: Services | None = None
         self.addresses: dict[str, str] = {}
-        self.token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
+        self.token = read_token_file(config.endpoints.auth_token_file)
 
     def start(self, need_replay: bool = True) -> Services:
         from services.replay.client import ReplayClient

@@ -96,6 +96,8 @@ def _start_metrics(config: TrainConfig):
 
     registry = service_registry("learner")
     metrics = LearnerMetrics(registry)
-    token = config.endpoints.auth_token_file.read_text().strip() if config.endpoints.auth_token_file else None
+    from rlep_common.files import read_token_file
+
+    token = read_token_file(config.endpoints.auth_token_file)
     ssl_context = server_ssl_context(config.metrics_tls)
     return MetricsServer(registry, config.metrics_host, config.metrics_port, token, ssl_context), metrics
