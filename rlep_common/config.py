@@ -18,6 +18,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlep_common.files import read_token_file
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -78,8 +80,6 @@ class ServerConfig(TlsFiles):
         return self
 
     def read_auth_token(self) -> str | None:
-        from rlep_common.files import read_token_file
-
         return read_token_file(self.auth_token_file)
 
 

@@ -236,12 +236,12 @@ def start_local_redis(
         args += ["--logfile", str(data_dir / "redis.log"), *extra_args]
         # The kernel signals when the creating *thread* exits: tie the server to the main thread only.
         main_thread = threading.current_thread() is threading.main_thread()
-        linux = sys.platform.startswith("linux") and die_with_owner and main_thread
+        tie_to_owner = sys.platform.startswith("linux") and die_with_owner and main_thread
         process = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent_hook(os.getpid()) if linux else None,  # noqa: PLW1509 - prctl only
+            preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
         )
     except BaseException:
         lock.close()

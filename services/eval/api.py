@@ -7,13 +7,12 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.eval.core import CURRENT_POLICY
+from services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-# vLLM's own bounds (vllm/sampling_params.py `_verify_args`), checked here so that a request vLLM would refuse
+# vLLM's bounds (MAX_TEMPERATURE, GREEDY_BELOW and this one) are checked here so that a request vLLM would refuse
 # is refused at submission with the reason, never sent to the rollout deployment.
-MAX_TEMPERATURE = 2.0
-GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature, and then refuses n > 1
 VLLM_MAX_N = 16384
 
 

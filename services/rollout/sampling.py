@@ -14,18 +14,14 @@ import math
 
 from rlep.rollout.v1 import rollout_pb2
 from services.rollout.config import RolloutConfig
-from services.rollout.types import Sampling
+from services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE, Sampling
 
-# vLLM's own bounds (vllm/sampling_params.py): it decodes greedily below this temperature and then
-# refuses n > 1, and it refuses temperatures above MAX_TEMPERATURE.
-GREEDY_BELOW = 1e-5
-MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 
 
 def greedy_problem(n: int, temperature: float) -> str | None:
-    """Why greedy sampling with n > 1 is refused, or None (shared with callers that check early)."""
+    """Why greedy sampling with n > 1 is refused, or None."""
     if temperature < GREEDY_BELOW and n > 1:
         return (
             f"greedy sampling gives n identical samples; send n=1 or temperature > 0 "

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 from rlep_common.types import FinishReason
 
+# vLLM's own bounds on sampling (vllm/sampling_params.py): it refuses temperatures above MAX_TEMPERATURE, and
+# below GREEDY_BELOW it decodes greedily and refuses n > 1. Rollout checks them before its engine sees a request;
+# eval checks them at submission.
+MAX_TEMPERATURE = 2.0
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -141,29 +141,60 @@ def eval_config(rollout, verifier, redis_url, auth_token_file, tmp_path):
     """An eval service config over the session's real rollout and verifier, small limits, a 2 s lease, and a
     fresh Redis key prefix (deleted afterwards: the CI Redis is shared). No checkpoint_rollout: tests that
     evaluate checkpoints add `eval_rollout`. User files are allowed under the test's tmp_path only."""
-    import uuid
-
-    import redis
-
     from services.eval.config import EvalConfig
 
-    token = {"auth_token_file": str(auth_token_file)}
-    config = EvalConfig.model_validate(
-        {
-            "server": {"port": 0, **token},
-            "redis_url": redis_url,
-            "key_prefix": f"rlep:eval:test-{uuid.uuid4().hex[:8]}:",
-            "rollout": {"addresses": [f"127.0.0.1:{rollout.port}"], "timeout_s": 300, **token},
-            "verifier": {"address": f"127.0.0.1:{verifier.port}", **token},
-            "limits": {"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_queued_jobs": 20},
-            "questions_per_call": 4,
-            "lease_s": 2,
-            "allowed_roots": [str(tmp_path)],
-        }
+    rollout_settings = {
+        "addresses": [f"127.0.0.1:{rollout.port}"],
+        "timeout_s": 300,
+        "auth_token_file": str(auth_token_file),
+    }
+    settings = eval_settings(
+        rollout_settings,
+        verifier.port,
+        redis_url,
+        auth_token_file,
+        tmp_path,
+        limits={"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_queued_jobs": 20},
+        questions_per_call=4,
     )
+    config = EvalConfig.model_validate(settings)
     yield config
+    delete_keys(redis_url, config.key_prefix)
+
+
+def eval_settings(
+    rollout: dict,
+    verifier_port: int,
+    redis_url: str,
+    auth_token_file,
+    tmp_path,
+    *,
+    limits: dict,
+    questions_per_call: int,
+) -> dict:
+    """Settings of a test's eval service: loopback port, the token, a fresh Redis key prefix (the CI Redis is
+    shared: delete it afterwards with `delete_keys`), a 2 s lease, user files under tmp_path only."""
+    import uuid
+
+    token = {"auth_token_file": str(auth_token_file)}
+    return {
+        "server": {"port": 0, **token},
+        "redis_url": redis_url,
+        "key_prefix": f"rlep:eval:test-{uuid.uuid4().hex[:8]}:",
+        "rollout": rollout,
+        "verifier": {"address": f"127.0.0.1:{verifier_port}", **token},
+        "limits": limits,
+        "questions_per_call": questions_per_call,
+        "lease_s": 2,
+        "allowed_roots": [str(tmp_path)],
+    }
+
+
+def delete_keys(redis_url: str, prefix: str) -> None:
+    import redis
+
     client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{config.key_prefix}*", count=1000))
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
     if keys:
         client.delete(*keys)
 

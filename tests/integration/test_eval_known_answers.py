@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
-import redis
 
 from rlep.common.v1 import trajectory_pb2
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -26,6 +24,7 @@ from services.eval.api import DatasetRequest, EvaluationRequest, JobStatus
 from services.eval.client import EvalClient
 from services.eval.config import EvalConfig
 from services.eval.main import start_eval
+from tests.integration.conftest import delete_keys, eval_settings
 from tests.integration.test_tls import self_signed
 from tests.metrics_util import samples, scrape
 
@@ -111,23 +110,17 @@ def write_jsonl(path, rows) -> str:
 @pytest.fixture
 def standin_config(standin, verifier, redis_url, auth_token_file, tmp_path):
     """Eval over the stand-in: two questions per Generate call, user files under tmp_path, a fresh key prefix."""
-    token = {"auth_token_file": str(auth_token_file)}
-    config = {
-        "server": {"port": 0, **token},
-        "redis_url": redis_url,
-        "key_prefix": f"rlep:eval:test-{uuid.uuid4().hex[:8]}:",
-        "rollout": {"addresses": [standin.address], "timeout_s": WAIT_S},
-        "verifier": {"address": f"127.0.0.1:{verifier.port}", **token},
-        "limits": {"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_job_tokens": 10_000},
-        "questions_per_call": 2,
-        "lease_s": 2,
-        "allowed_roots": [str(tmp_path)],
-    }
+    config = eval_settings(
+        {"addresses": [standin.address], "timeout_s": WAIT_S},
+        verifier.port,
+        redis_url,
+        auth_token_file,
+        tmp_path,
+        limits={"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_job_tokens": 10_000},
+        questions_per_call=2,
+    )
     yield config
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{config['key_prefix']}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    delete_keys(redis_url, config["key_prefix"])
 
 
 @pytest.fixture
