@@ -130,7 +130,10 @@ class TokenCheck:
 
 
 def _errors(*codes: int) -> dict:
-    return {code: {"model": ErrorBody} for code in codes}
+    responses: dict = {code: {"model": ErrorBody} for code in codes}
+    if 400 in responses:  # uvicorn refuses malformed HTTP itself, in plain text, before the app sees it
+        responses[400]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return responses
 
 
 def create_app(
@@ -194,7 +197,8 @@ def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], gu
         prefix="/v1/evaluations",
         tags=["evaluations"],
         dependencies=guarded,
-        responses=_errors(*((401,) if guarded else ()), 422, 503),
+        # 400 on any route: a malformed HTTP request (e.g. a bad Content-Length header).
+        responses=_errors(400, *((401,) if guarded else ()), 422, 503),
     )
 
     def existing_job(job_id: str) -> EvaluationJob:
@@ -203,7 +207,7 @@ def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], gu
             raise HTTPException(404, f"no evaluation job {job_id!r}")
         return job
 
-    @router.post("", status_code=202, response_model=EvaluationJob, responses=_errors(400, 411, 413, 429))
+    @router.post("", status_code=202, response_model=EvaluationJob, responses=_errors(411, 413, 429))
     def submit(request: EvaluationRequest, response: Response) -> EvaluationJob:
         """Queue an evaluation job; poll GET /v1/evaluations/{id} for progress and results."""
         if store.count(JobStatus.QUEUED) >= config.limits.max_queued_jobs:
