@@ -30,11 +30,11 @@ def main() -> None:
 
     import torch
 
-    from rlep_common.config import parse_override
-    from rlep_common.types import Group, Trajectory
-    from services.learner.batch import build_batch
-    from services.learner.config import TrainConfig
-    from services.learner.policy import PolicyTrainer, init_distributed
+    from rlep.common.config import parse_override
+    from rlep.common.types import Group, Trajectory
+    from rlep.services.learner.batch import build_batch
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.policy import PolicyTrainer, init_distributed
 
     overrides: dict = {}
     for item in args.set:

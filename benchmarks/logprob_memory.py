@@ -6,7 +6,7 @@ decoder's output) stands in for the policy's last layer. Each variant runs what 
 
 - old: full logits `[N, L, V]`, a float32 log-softmax of them for the logprobs, and after backward
   a second one for the entropy (a copy of the learner's previous code is kept below);
-- new: `services.learner.batch.token_scores`, the head applied `--chunk` positions at a time under
+- new: `rlep.services.learner.batch.token_scores`, the head applied `--chunk` positions at a time under
   activation checkpointing, logprobs and entropy from one pass.
 
 Peak memory is measured as resident memory (RSS), which is what runs out on a CPU machine, and
@@ -74,7 +74,7 @@ def old_step(head, states, tokens, weights, chunk: int) -> None:
 
 
 def new_step(head, states, tokens, weights, chunk: int) -> None:
-    from services.learner.batch import token_scores  # imported before the measurement starts
+    from rlep.services.learner.batch import token_scores  # imported before the measurement starts
 
     logprobs, _ = token_scores(states, head, tokens, chunk_positions=chunk)
     (logprobs * weights).sum().backward()
@@ -91,7 +91,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     """Runs in the subprocess: one variant, its peak resident memory above the inputs, its time per token."""
     import torch
 
-    import services.learner.batch  # noqa: F401  (its imports must not count as the new variant's memory)
+    import rlep.services.learner.batch  # noqa: F401  (its imports must not count as the new variant's memory)
 
     torch.manual_seed(0)
     head = torch.nn.Linear(args.hidden, args.vocab, bias=False)

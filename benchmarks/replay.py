@@ -33,7 +33,7 @@ FILLER = "Let x be the unknown. Expanding both sides and collecting terms gives 
 
 
 def make_batch(questions: range, per_question: int):
-    from rlep_common.types import Trajectory, Verdict
+    from rlep.common.types import Trajectory, Verdict
 
     return [
         Trajectory(
@@ -51,7 +51,7 @@ def make_batch(questions: range, per_question: int):
 
 def raw_sample(client, prefix: str, question_ids: list[str], m: int, seed: int) -> int:
     """The same reads as the service, with plain redis-py pipelines; returns trajectories read."""
-    from services.replay.core import choose_uniform_indices, question_stream_seed
+    from rlep.services.replay.core import choose_uniform_indices, question_stream_seed
 
     pipe = client.pipeline(transaction=False)
     for qid in question_ids:
@@ -80,13 +80,13 @@ def main() -> None:
 
     import redis
 
+    from rlep.common.config import ServerConfig
+    from rlep.common.redis_server import start_local_redis
     from rlep.replay.v1 import replay_pb2
-    from rlep_common.config import ServerConfig
-    from rlep_common.redis_server import start_local_redis
-    from services.replay.client import ReplayClient
-    from services.replay.config import ReplayConfig
-    from services.replay.main import start_replay
-    from services.replay.store import pool_prefix
+    from rlep.services.replay.client import ReplayClient
+    from rlep.services.replay.config import ReplayConfig
+    from rlep.services.replay.main import start_replay
+    from rlep.services.replay.store import pool_prefix
 
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,8 +36,8 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="DemoConfig override, key=value")
     args = parser.parse_args()
 
-    from rlep_common.config import parse_override
-    from services.learner.demo import DemoConfig, run_demo
+    from rlep.common.config import parse_override
+    from rlep.services.cli.demo import DemoConfig, run_demo
 
     overrides = dict(parse_override(s) for s in args.sets)
     results = []

@@ -38,7 +38,7 @@ def workload(args) -> tuple[list[str], dict]:
 
 
 def engine_config(args, model: str):
-    from services.rollout.config import EngineConfig
+    from rlep.services.rollout.config import EngineConfig
 
     return EngineConfig(model=model, enforce_eager=args.eager, max_num_seqs=256)
 
@@ -47,7 +47,7 @@ def raw_engine_serve(args, conn) -> None:
     """Child process: plain vLLM with the service's engine arguments; one timed run per request."""
     from vllm import LLM, SamplingParams
 
-    from services.rollout.vllm_args import engine_kwargs, shutdown_llm
+    from rlep.services.rollout.vllm_args import engine_kwargs, shutdown_llm
 
     prompts, sampling = workload(args)
     llm = LLM(**engine_kwargs(engine_config(args, "tiny")))
@@ -78,7 +78,7 @@ def start_worker(args, model: str, port: int) -> subprocess.Popen:
 
 def generation_side_by_side(args, client, conn) -> dict:
     """Alternates raw and service runs so both see the same machine load; medians of each."""
-    from services.rollout.types import Sampling
+    from rlep.services.rollout.types import Sampling
 
     prompts, sampling = workload(args)
     client.generate(prompts, Sampling(**sampling))  # warm-up
@@ -103,7 +103,7 @@ def push_timings(args, client, model_dir: Path) -> dict:
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.config import default_staging_dir
+    from rlep.services.rollout.config import default_staging_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -142,8 +142,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
-    from rlep_common.tiny_model import cached_model
-    from services.rollout.client import RolloutClient
+    from rlep.common.tiny_model import cached_model
+    from rlep.services.rollout.client import RolloutClient
     from tests.conftest import free_port
 
     for preset in ("tiny", "100m"):

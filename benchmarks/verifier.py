@@ -52,7 +52,7 @@ WARMUP_ITEMS = 150
 
 
 def _timed_share(share: Items, warmup: Items, barrier, results) -> None:
-    from services.verifier.core import _parse_gold, check_answer
+    from rlep.services.verifier.core import _parse_gold, check_answer
 
     for response, gold in warmup:
         check_answer(response, gold)
@@ -84,10 +84,10 @@ def processes_rate(items: Items, warmup: Items, workers: int) -> float:
 
 
 def service_rate(items: Items, warmup: Items, workers: int) -> float:
-    from rlep_common.config import ServerConfig
-    from services.verifier.client import VerifierClient
-    from services.verifier.config import VerifierConfig
-    from services.verifier.main import start_verifier
+    from rlep.common.config import ServerConfig
+    from rlep.services.verifier.client import VerifierClient
+    from rlep.services.verifier.config import VerifierConfig
+    from rlep.services.verifier.main import start_verifier
 
     running = start_verifier(VerifierConfig(server=ServerConfig(port=0), num_workers=workers))
     try:

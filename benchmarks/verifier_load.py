@@ -32,8 +32,8 @@ def _spin(stop) -> None:
 
 
 def run(repeats: int, workers: int, loaded: bool) -> dict[str, int]:
-    from services.verifier.core import CheckOptions
-    from services.verifier.pool import VerifyPool
+    from rlep.services.verifier.core import CheckOptions
+    from rlep.services.verifier.pool import VerifyPool
 
     pool = VerifyPool(num_workers=workers, item_timeout_s=30.0, options=CheckOptions(parse_timeout_s=1))
     ctx = mp.get_context("spawn")

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlep_common.types import Group, Trajectory
+from rlep.common.types import Group, Trajectory
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

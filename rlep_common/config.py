@@ -9,6 +9,7 @@ A section that any layer sets only in part keeps its model default for the rest:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -18,9 +19,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlep_common.files import read_token_file
+from rlep.common.files import read_token_file
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The default configs and the paper's recipes: `configs/` in a checkout, package data (`rlep.configs`) when installed.
+CONFIG_DIR = Path(importlib.util.find_spec("rlep.configs").submodule_search_locations[0])
 
 
 class StrictModel(BaseModel):

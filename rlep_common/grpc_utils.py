@@ -1,7 +1,7 @@
 """gRPC plumbing shared by every service: server assembly, bearer-token auth, client channels, retries.
 
 Every server gets the same things: health checking (`grpc.health.v1`), reflection, an optional
-bearer token on every RPC (rule: `rlep_common.auth.check_bearer`), optional TLS (`rlep_common.tls`),
+bearer token on every RPC (rule: `rlep.common.auth.check_bearer`), optional TLS (`rlep.common.tls`),
 and a bound on message size. Health checks are exempt from auth because Kubernetes' gRPC probes
 cannot send headers; they reveal nothing but "SERVING".
 """
@@ -23,9 +23,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rlep_common.auth import check_bearer, grpc_authorization_values
-from rlep_common.config import ServerConfig
-from rlep_common.tls import channel_credentials, channel_tls_options, grpc_server_credentials, resolve_ca_file
+from rlep.common.auth import check_bearer, grpc_authorization_values
+from rlep.common.config import ServerConfig
+from rlep.common.tls import channel_credentials, channel_tls_options, grpc_server_credentials, resolve_ca_file
 
 log = logging.getLogger(__name__)
 

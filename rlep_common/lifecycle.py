@@ -7,9 +7,9 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from rlep_common.config import ServerConfig
-from rlep_common.metrics import MetricsServer
-from rlep_common.tls import server_ssl_context
+from rlep.common.config import ServerConfig
+from rlep.common.metrics import MetricsServer
+from rlep.common.tls import server_ssl_context
 
 
 def start_metrics(registry: CollectorRegistry, config: ServerConfig) -> MetricsServer | None:

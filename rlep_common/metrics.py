@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
-from rlep_common.auth import check_bearer
+from rlep.common.auth import check_bearer
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ class MetricsServer:
     """Serves a registry on `http(s)://host:port/metrics` (and `/healthz`) until `stop()`.
 
     Args:
-        token: when set, /metrics needs `Authorization: Bearer <token>` (rule: `rlep_common.auth.check_bearer`).
-        ssl_context: when set, every connection is TLS (`rlep_common.tls.server_ssl_context`).
+        token: when set, /metrics needs `Authorization: Bearer <token>` (rule: `rlep.common.auth.check_bearer`).
+        ssl_context: when set, every connection is TLS (`rlep.common.tls.server_ssl_context`).
     """
 
     def __init__(

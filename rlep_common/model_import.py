@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlep_common.files import sha256_file
+from rlep.common.files import sha256_file
 
 PROVENANCE_FILE = "rlep-import.json"
 GGUF_MAGIC = b"GGUF"

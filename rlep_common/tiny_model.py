@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlep_common.config import StrictModel
+from rlep.common.config import StrictModel
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"
 EXTRA_TOKENS = ["\\boxed{"]
@@ -169,3 +169,8 @@ def cached_model(spec: ModelSpec | str = "tiny", cache_dir: Path | None = None) 
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def resolve_model(model: str) -> str:
+    """A model path as services load it: a preset name (e.g. "tiny") becomes its cached build's directory."""
+    return str(cached_model(model)) if model in PRESETS else model

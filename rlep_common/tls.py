@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from rlep_common.config import TlsFiles
+from rlep.common.config import TlsFiles
 
 # An environment variable rather than a field in every client's config: clients are built in many places
 # (learner, eval, CLI, tests), and in Kubernetes one variable per pod is how the chart turns TLS on.

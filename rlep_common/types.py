@@ -1,6 +1,6 @@
 """The data model every service shares: trajectories and the mixed groups the learner trains on.
 
-These dataclasses are the in-process twin of `rlep.common.v1.Trajectory` (see `rlep_common.wire`
+These dataclasses are the in-process twin of `rlep.common.v1.Trajectory` (see `rlep.common.wire`
 for the conversion). A trajectory is one response to one question; a group is all trajectories of
 one question in one training step, fresh and replayed together (RLEP's "mixed group").
 """
@@ -61,7 +61,7 @@ class Trajectory:
     run_id: str = ""
     created_at_ms: int = 0
     tokenizer_fingerprint: str = ""
-    """Which tokenizer made the token ids (`services.learner.tokens.tokenizer_fingerprint`); "" = unknown."""
+    """Which tokenizer made the token ids (`rlep.services.learner.tokens.tokenizer_fingerprint`); "" = unknown."""
 
     def __post_init__(self) -> None:
         if not self.question_id:

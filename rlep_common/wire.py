@@ -1,9 +1,9 @@
-"""Conversion between the shared dataclasses (`rlep_common.types`) and `rlep.common.v1` messages."""
+"""Conversion between the shared dataclasses (`rlep.common.types`) and `rlep.common.v1` messages."""
 
 from __future__ import annotations
 
+from rlep.common.types import FinishReason, Source, Trajectory, Verdict
 from rlep.common.v1 import trajectory_pb2 as pb
-from rlep_common.types import FinishReason, Source, Trajectory, Verdict
 
 VERDICT_TO_PROTO: dict[Verdict, int] = {
     Verdict.CORRECT: pb.CORRECT,

@@ -35,7 +35,7 @@ def ray_local():
     """A local Ray instance (2 CPUs, no dashboard, no token auth, every port on loopback), shared by every Ray test."""
     import ray
 
-    from services.learner.launch import init_ray
+    from rlep.common.ray_local import init_ray
 
     init_ray(num_cpus=2)
     yield ray
@@ -68,8 +68,8 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(smollm2_gguf) -> Path:
     """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` and
     cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
-    from rlep_common.model_import import PROVENANCE_FILE, import_model
-    from rlep_common.tiny_model import default_cache_dir
+    from rlep.common.model_import import PROVENANCE_FILE, import_model
+    from rlep.common.tiny_model import default_cache_dir
 
     target = default_cache_dir() / "smollm2-135m-instruct"
     if not (target / PROVENANCE_FILE).exists():

@@ -19,7 +19,7 @@ def grpc_serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rlep_common.grpc_utils import make_channel
+    from rlep.common.grpc_utils import make_channel
 
     with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, as for every client
         try:

@@ -6,8 +6,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.eval.core import CURRENT_POLICY
-from services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE
+from rlep.services.eval.core import CURRENT_POLICY
+from rlep.services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from rlep_common.tls import resolve_ca_file
-from services.eval.api import TERMINAL_STATUSES, EvaluationJob, EvaluationRequest, JobList, JobStatus
+from rlep.common.tls import resolve_ca_file
+from rlep.services.eval.api import TERMINAL_STATUSES, EvaluationJob, EvaluationRequest, JobList, JobStatus
 
 # Every endpoint answers from Redis (a submission also reads its datasets): seconds at most.
 REQUEST_TIMEOUT_S = 60.0

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from rlep_common.config import StrictModel, TlsFiles
-from rlep_common.files import read_token_file
+from rlep.common.config import StrictModel, TlsFiles
+from rlep.common.files import read_token_file
 
 DEFAULT_PORT = 8080
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlep_common.types import Verdict
+from rlep.common.types import Verdict
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "datasets"
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from rlep_common.lifecycle import wait_for_stop_signal
-from rlep_common.metrics import service_registry
-from rlep_common.tls import uvicorn_ssl_kwargs
-from services.eval.config import EvalConfig
-from services.eval.runner import Backends, JobRunner
-from services.eval.server import EvalMetrics, create_app
-from services.eval.store import JobStore
-from services.rollout.client import RolloutClient
-from services.verifier.client import VerifierClient
+from rlep.common.lifecycle import wait_for_stop_signal
+from rlep.common.metrics import service_registry
+from rlep.common.tls import uvicorn_ssl_kwargs
+from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.runner import Backends, JobRunner
+from rlep.services.eval.server import EvalMetrics, create_app
+from rlep.services.eval.store import JobStore
+from rlep.services.rollout.client import RolloutClient
+from rlep.services.verifier.client import VerifierClient
 
 log = logging.getLogger(__name__)
 

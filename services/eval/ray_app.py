@@ -4,7 +4,7 @@ The REST API listens where the config says (default port 8080), not behind Serve
 its routes, auth and /metrics are exactly those of `rlep serve eval`. What Ray adds is discovery:
 with `rollout_app` set, the replica reads the rollout replicas' addresses from that application's
 registry (services/rollout/ray_app.py) instead of a fixed list. `deploy/ray/serve.yaml` deploys it
-with `serve deploy` (import path `services.eval.ray_app:app_builder`).
+with `serve deploy` (import path `rlep.services.eval.ray_app:app_builder`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from ray import serve
 
-from services.eval.config import EvalConfig
+from rlep.services.eval.config import EvalConfig
 
 log = logging.getLogger(__name__)
 # How long a starting replica waits for the rollout replicas to register (vLLM may still be loading).
@@ -25,12 +25,12 @@ ROLLOUT_WAIT_S = 600.0
 @serve.deployment(name="eval", health_check_period_s=10)
 class EvalReplica:
     def __init__(self, config: dict[str, Any], rollout_app: str | None = None):
-        from services.eval.main import start_eval
+        from rlep.services.eval.main import start_eval
 
         if rollout_app:
-            from services.rollout.ray_app import replica_addresses
+            from rlep.services.rollout.client import replica_addresses_on_ray
 
-            addresses = replica_addresses(rollout_app, wait_s=ROLLOUT_WAIT_S)
+            addresses = replica_addresses_on_ray(rollout_app, wait_s=ROLLOUT_WAIT_S)
             config = {**config, "rollout": {**config.get("rollout", {}), "addresses": addresses}}
         self._running = start_eval(EvalConfig.model_validate(config))
         log.info("eval replica serving on %s", self._running.url)

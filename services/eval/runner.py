@@ -20,11 +20,11 @@ from pathlib import Path
 
 import grpc
 
-from rlep_common.files import load_safetensors
-from rlep_common.types import FinishReason
-from services.eval.api import DatasetResult, EvaluationJob, JobStatus
-from services.eval.config import EvalConfig
-from services.eval.core import (
+from rlep.common.files import load_safetensors
+from rlep.common.types import FinishReason
+from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
+from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.core import (
     CURRENT_POLICY,
     DatasetTally,
     Question,
@@ -33,10 +33,10 @@ from services.eval.core import (
     load_dataset,
     score_question,
 )
-from services.eval.store import JobStore, new_attempt
-from services.rollout.client import RolloutClient
-from services.rollout.types import Completion, Sampling
-from services.verifier.client import VerifierClient
+from rlep.services.eval.store import JobStore, new_attempt
+from rlep.services.rollout.client import RolloutClient
+from rlep.services.rollout.types import Completion, Sampling
+from rlep.services.verifier.client import VerifierClient
 
 log = logging.getLogger(__name__)
 

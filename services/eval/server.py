@@ -18,11 +18,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlep_common.auth import check_bearer
-from services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
-from services.eval.config import EvalConfig
-from services.eval.core import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
-from services.eval.store import JobStore
+from rlep.common.auth import check_bearer
+from rlep.services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
+from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.core import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
+from rlep.services.eval.store import JobStore
 
 
 class EvalMetrics:
@@ -117,7 +117,7 @@ BEARER = HTTPBearer(auto_error=False, description="The token in the service's au
 
 class TokenCheck:
     """A route dependency: 401 unless the request carries exactly one `Authorization: Bearer <token>` header
-    (the rule every RLEP transport shares: rlep_common.auth)."""
+    (the rule every RLEP transport shares: rlep.common.auth)."""
 
     def __init__(self, token: str):
         self._expected = token

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import redis
 from pydantic import ValidationError
 
-from services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
+from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
 
 _TRANSITION = """
 local p, id, attempt, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rlep_common.algorithm import NonFiniteError, flatten_groups, group_advantages
-from rlep_common.types import Group, Source
+from rlep.common.algorithm import NonFiniteError, flatten_groups, group_advantages
+from rlep.common.types import Group, Source
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,13 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlep_common.files import load_safetensors
-from rlep_common.types import Source, Trajectory, Verdict
-from services.learner.config import CollectConfig
-from services.learner.data import Question
-from services.learner.step_inputs import Services
-from services.learner.tokens import PolicyTokenizer
-from services.rollout.types import Sampling
+from rlep.common.files import load_safetensors
+from rlep.common.types import Source, Trajectory, Verdict
+from rlep.services.learner.config import CollectConfig
+from rlep.services.learner.data import Question
+from rlep.services.learner.step_inputs import Services
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.rollout.types import Sampling
 
 STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
 

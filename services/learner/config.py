@@ -16,10 +16,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlep_common.algorithm import LossAgg
-from rlep_common.config import StrictModel, TlsFiles
-from services.replay.core import Strategy
-from services.rollout.config import EngineConfig
+from rlep.common.algorithm import LossAgg
+from rlep.common.config import StrictModel, TlsFiles
+from rlep.services.replay.client import Strategy
+from rlep.services.rollout.config import EngineConfig
 
 
 class DynamicSamplingConfig(StrictModel):
@@ -138,7 +138,7 @@ class WeightSyncConfig(StrictModel):
     transport: Literal["auto", "stream", "shared_file", "nccl"] = "auto"
     """auto = one shared-memory file when every replica is on this host, else safetensors streamed over
     gRPC; nccl = GPU only, NOT exercised by CI: the learner's rank 0 broadcasts to every replica's workers
-    (vLLM's RLHF pattern; services/rollout/nccl.py). Replicas that rejoin are always brought up by stream."""
+    (vLLM's RLHF pattern; services/weights/nccl.py). Replicas that rejoin are always brought up by stream."""
     nccl_port: int = Field(29650, ge=1024, le=65000)
     """First port of the NCCL group's store on the learner's rank 0 (a new group takes the next one)."""
     workers_per_replica: int = Field(1, ge=1)

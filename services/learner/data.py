@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlep_common.dataset import question_id
+from rlep.common.dataset import question_id
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rlep_common.algorithm import overlong_penalty
-from rlep_common.types import FinishReason, Source, Trajectory, Verdict
-from services.learner.config import AlgorithmConfig
-from services.learner.tokens import EncodedPrompt, PolicyTokenizer
-from services.rollout.types import Completion
+from rlep.common.algorithm import overlong_penalty
+from rlep.common.types import FinishReason, Source, Trajectory, Verdict
+from rlep.services.learner.config import AlgorithmConfig
+from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
+from rlep.services.rollout.types import Completion
 
 
 def shaped_reward(reward: float, response_tokens: int, algo: AlgorithmConfig) -> float:

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from rlep_common.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
-from services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
-from services.learner.config import TrainConfig
-from services.rollout.nccl import BroadcastGroup, NcclWeightSender, manifest
-from services.rollout.weights import TensorInfo
+from rlep.common.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
+from rlep.services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
+from rlep.services.learner.config import TrainConfig
+from rlep.services.weights.nccl import BroadcastGroup, NcclWeightSender, manifest
+from rlep.services.weights.payload import TensorInfo
 
 log = logging.getLogger(__name__)
 

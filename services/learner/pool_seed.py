@@ -29,7 +29,7 @@ def has_candidates(path: Path) -> bool:
 
 def seed_pool_from_candidates(replay, pool: str, paths: Sequence[Path]) -> int:
     """Imports the candidates of every file in `paths` that has them; returns the trajectories newly added."""
-    from services.replay.parquet_io import read_pool_rows
+    from rlep.common.pool_parquet import read_pool_rows
 
     added = 0
     for path in paths:

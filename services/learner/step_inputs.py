@@ -20,13 +20,13 @@ from typing import Any
 
 import grpc
 
-from rlep_common.types import Trajectory
-from services.learner.config import TrainConfig
-from services.learner.data import DataCursor, Question
-from services.learner.experience import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
-from services.learner.metrics import PHASES
-from services.learner.tokens import EncodedPrompt, PolicyTokenizer
-from services.rollout.types import Sampling
+from rlep.common.types import Trajectory
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.data import DataCursor, Question
+from rlep.services.learner.experience import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
+from rlep.services.learner.metrics import PHASES
+from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
+from rlep.services.rollout.types import Sampling
 
 log = logging.getLogger(__name__)
 

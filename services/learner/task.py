@@ -111,7 +111,7 @@ def problem_messages(problem: Problem) -> list[dict[str, str]]:
 
 def is_correct(response: str, problem: Problem) -> bool:
     """Exact integer match of the last boxed answer (what math-verify decides on this task, but fast)."""
-    from services.verifier.core import extract_answer
+    from rlep.common.answers import extract_answer
 
     answer = extract_answer(response)
     return answer is not None and answer.strip() == problem.answer
@@ -121,7 +121,7 @@ def write_parquet(problems: Sequence[Problem], path: Path | str) -> Path:
     """Writes `problems` as verl/DAPO parquet: prompt, reward_model, data_source, ability, extra_info.
 
     `extra_info` holds the row index and the problem's split; the question id the services use is
-    `rlep_common.dataset.question_id(prompt)`.
+    `rlep.common.dataset.question_id(prompt)`.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -31,16 +31,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlep_common.types import Group, Trajectory, Verdict
-from services.learner.batch import ExperienceBatch, build_batch
-from services.learner.config import TrainConfig
-from services.learner.data import DataCursor, Question
-from services.learner.experience import ReplayReport
-from services.learner.metrics import LearnerMetrics
-from services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
-from services.learner.tokens import PolicyTokenizer
-from services.rollout.nccl import BroadcastGroup
-from services.rollout.types import Sampling
+from rlep.common.types import Group, Trajectory, Verdict
+from rlep.services.learner.batch import ExperienceBatch, build_batch
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.data import DataCursor, Question
+from rlep.services.learner.experience import ReplayReport
+from rlep.services.learner.metrics import LearnerMetrics
+from rlep.services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.rollout.types import Sampling
+from rlep.services.weights.nccl import BroadcastGroup
 
 __all__ = ["Policy", "Services", "Trainer"]
 

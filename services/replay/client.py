@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from rlep.common.grpc_utils import call_with_retry, make_channel
+from rlep.common.types import Trajectory
+from rlep.common.wire import trajectory_from_proto, trajectory_to_proto
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep_common.grpc_utils import call_with_retry, make_channel
-from rlep_common.types import Trajectory
-from rlep_common.wire import trajectory_from_proto, trajectory_to_proto
-from services.replay.core import Strategy
+from rlep.services.replay.core import Strategy
 
 # One step's Sample is ~1 MB and milliseconds; adds and stats on a big pool take longer.
 DEFAULT_TIMEOUT_S = 60.0

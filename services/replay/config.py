@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlep_common.config import ServerConfig, StrictModel
-from services.replay.core import Eviction
+from rlep.common.config import ServerConfig, StrictModel
+from rlep.services.replay.core import Eviction
 
 DEFAULT_PORT = 50062
 
@@ -50,7 +50,7 @@ class ReplayConfig(StrictModel):
 
     @model_validator(mode="after")
     def check_sample_bytes_fit_a_reply(self) -> ReplayConfig:
-        # rlep_common.grpc_utils.CHANNEL_LIMIT_FACTOR (not imported: configs load without grpc).
+        # rlep.common.grpc_utils.CHANNEL_LIMIT_FACTOR (not imported: configs load without grpc).
         send_limit = self.server.max_request_bytes * 2
         if self.max_sample_bytes >= send_limit:
             raise ValueError(

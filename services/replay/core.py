@@ -73,7 +73,7 @@ def choose_uniform_indices(available: int, m: int, stream_seed: int) -> list[int
     """min(m, available) distinct indices in 0..available-1, uniformly, O(m).
 
     A partial Fisher-Yates shuffle over a virtual identity array, driven by Park-Miller. This is
-    the reference of the Lua twin in `services.replay.store` (a test checks they agree).
+    the reference of the Lua twin in `rlep.services.replay.store` (a test checks they agree).
     """
     state, swapped, picks = stream_seed, {}, []
     for i in range(min(m, available)):

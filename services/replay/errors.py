@@ -12,9 +12,9 @@ import grpc
 import redis
 from prometheus_client import Counter
 
-from services.replay.store import LimitExceeded, PoolNotFound
+from rlep.services.replay.store import LimitExceeded, PoolNotFound
 
-log = logging.getLogger("services.replay")
+log = logging.getLogger("rlep.services.replay")
 
 OUT_OF_MEMORY = "out of memory"
 UNREACHABLE = "unreachable"

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import grpc
 import redis
 
-from rlep_common.grpc_utils import add_validated_servicer, build_server
-from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep_common.metrics import MetricsServer, service_registry
-from rlep_common.redis_server import LocalRedis, start_local_redis
-from services.replay.config import ReplayConfig
-from services.replay.server import SERVICE, ReplayMetrics, ReplayServicer
-from services.replay.store import RedisReplayStore
+from rlep.common.grpc_utils import add_validated_servicer, build_server
+from rlep.common.lifecycle import start_metrics, wait_for_stop_signal
+from rlep.common.metrics import MetricsServer, service_registry
+from rlep.common.redis_server import LocalRedis, start_local_redis
+from rlep.services.replay.config import ReplayConfig
+from rlep.services.replay.server import SERVICE, ReplayMetrics, ReplayServicer
+from rlep.services.replay.store import RedisReplayStore
 
 
 @dataclass

@@ -23,14 +23,14 @@ from collections.abc import Iterator
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rlep.common.grpc_utils import check_request_size
+from rlep.common.types import trajectory_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep_common.grpc_utils import check_request_size
-from rlep_common.types import trajectory_id
-from services.replay.config import ReplayConfig
-from services.replay.core import Strategy, check_pool_name
-from services.replay.errors import RedisHealth, keep_going_check, status_for_errors
-from services.replay.store import LimitExceeded, RedisReplayStore, SampleBudget, StoredTrajectory, now_ms
+from rlep.services.replay.config import ReplayConfig
+from rlep.services.replay.core import Strategy, check_pool_name
+from rlep.services.replay.errors import RedisHealth, keep_going_check, status_for_errors
+from rlep.services.replay.store import LimitExceeded, RedisReplayStore, SampleBudget, StoredTrajectory, now_ms
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayBuffer"]
 STRATEGIES = {

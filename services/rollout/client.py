@@ -19,14 +19,14 @@ from pathlib import Path
 import grpc
 import torch
 
+from rlep.common.grpc_utils import RETRYABLE_CODES, make_channel
+from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep_common.grpc_utils import RETRYABLE_CODES, make_channel
-from rlep_common.wire import FINISH_FROM_PROTO
-from services.rollout.config import default_staging_dir
-from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
-from services.rollout.staging import PUSH_PREFIX, staged_file
-from services.rollout.types import Completion, SampleOut, Sampling
-from services.rollout.weights import TensorInfo, write_payload
+from rlep.services.rollout.config import default_staging_dir
+from rlep.services.rollout.types import Completion, SampleOut, Sampling
+from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
+from rlep.services.weights.payload import TensorInfo, write_payload
+from rlep.services.weights.staging import PUSH_PREFIX, staged_file
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,13 @@ def split_evenly(count: int, parts: int) -> list[range]:
     return ranges
 
 
+def replica_addresses_on_ray(app_name: str = "rlep-rollout", wait_s: float = 120.0, expect: int = 1) -> list[str]:
+    """Addresses of the live replicas of a Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
+    from rlep.services.rollout.ray_app import replica_addresses
+
+    return replica_addresses(app_name, wait_s=wait_s, expect=expect)
+
+
 def _is_local(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     if host in ("localhost", "::1") or host.startswith("127."):
@@ -135,7 +142,7 @@ class RolloutClient:
     @classmethod
     def from_ray(cls, app_name: str = "rlep-rollout", **kwargs) -> RolloutClient:
         """Replicas of a running Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
-        from services.rollout.ray_app import replica_addresses
+        from rlep.services.rollout.ray_app import replica_addresses
 
         client = cls(replica_addresses(app_name), **kwargs)
         client._resolve = lambda: replica_addresses(app_name)

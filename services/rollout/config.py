@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from rlep_common.config import ServerConfig, StrictModel
+from rlep.common.config import ServerConfig, StrictModel
 
 DEFAULT_PORT = 50063
 
@@ -75,7 +75,7 @@ class RolloutConfig(StrictModel):
     """Queued requests are merged into one engine call up to this many prompts."""
     staging_dir: str = Field(default_factory=default_staging_dir)
     """Where streamed weight payloads are assembled before loading. Payload files there (and in the default
-    staging directory) whose maker died are removed when a worker starts (services/rollout/staging.py)."""
+    staging directory) whose maker died are removed when a worker starts (services/weights/staging.py)."""
     shared_dirs: list[str] = Field(default_factory=lambda: [default_staging_dir(), tempfile.gettempdir()])
     """Directories a `shared_file` push may name (anything else is refused)."""
     replica_id: str | None = None

@@ -26,16 +26,14 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from pathlib import Path
 
-from rlep_common.types import FinishReason
-from services.rollout.config import EngineConfig
-from services.rollout.types import Generation, SampleOut, Sampling
-
-# resolve_model is imported from here by the learner.
-from services.rollout.vllm_args import engine_kwargs, resolve_model, sampling_params, shutdown_llm  # noqa: F401
+from rlep.common.types import FinishReason
+from rlep.services.rollout.config import EngineConfig
+from rlep.services.rollout.types import Generation, SampleOut, Sampling
+from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "services.rollout.worker_extension.WeightSyncExtension"
+WORKER_EXTENSION = "rlep.services.rollout.worker_extension.WeightSyncExtension"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 # close() waits this long for the engine thread (a running batch ends at its next engine step), then
 # gives vLLM's engine core ENGINE_SHUTDOWN_S to exit before it is killed: vLLM's default, 5 s, was
@@ -91,7 +89,7 @@ class _LoadJob(_Job):
 
 @dataclass(eq=False)
 class _BroadcastJob(_Job):
-    """GPU only: receive a state dict over NCCL from the learner (services/rollout/nccl.py)."""
+    """GPU only: receive a state dict over NCCL from the learner (services/weights/nccl.py)."""
 
     group: object = None  # BroadcastGroup
     rank_offset: int = 1
@@ -281,7 +279,7 @@ class RolloutEngine:
         return time.perf_counter() - started
 
     def _receive_broadcast(self, job: _BroadcastJob) -> float:
-        from services.rollout.nccl import TORCH_DTYPE
+        from rlep.services.weights.nccl import TORCH_DTYPE
 
         self._check_newer(job.version)
         started = time.perf_counter()

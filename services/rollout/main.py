@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from rlep_common.grpc_utils import add_validated_servicer, build_server
-from rlep_common.lifecycle import start_metrics
-from rlep_common.metrics import MetricsServer, service_registry
-from services.rollout.config import RolloutConfig, default_staging_dir
-from services.rollout.engine import RolloutEngine
-from services.rollout.server import SERVICE, RolloutMetrics, RolloutServicer
-from services.rollout.staging import sweep_stale
+from rlep.common.grpc_utils import add_validated_servicer, build_server
+from rlep.common.lifecycle import start_metrics
+from rlep.common.metrics import MetricsServer, service_registry
+from rlep.services.rollout.config import RolloutConfig, default_staging_dir
+from rlep.services.rollout.engine import RolloutEngine
+from rlep.services.rollout.server import SERVICE, RolloutMetrics, RolloutServicer
+from rlep.services.weights.staging import sweep_stale
 
 log = logging.getLogger(__name__)
 

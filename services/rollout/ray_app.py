@@ -11,7 +11,7 @@ its new address and starts at its initial version; the learner brings it up to d
     client = RolloutClient.from_ray("rlep-rollout")
 
 `deploy/ray/serve.yaml` deploys the same application with `serve deploy` (import path
-`services.rollout.ray_app:app_builder`).
+`rlep.services.rollout.ray_app:app_builder`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from services.rollout.config import RolloutConfig
+from rlep.services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _answers(address: str, timeout_s: float = 5.0) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rlep_common.grpc_utils import make_channel
+    from rlep.common.grpc_utils import make_channel
 
     with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, like every client
         try:
@@ -93,7 +93,7 @@ def replica_addresses(app_name: str = "rlep-rollout", wait_s: float = 120.0, exp
 @serve.deployment(name="rollout", ray_actor_options={"num_cpus": 1}, health_check_period_s=10)
 class RolloutReplica:
     def __init__(self, config: dict[str, Any], app_name: str = "rlep-rollout"):
-        from services.rollout.main import start_rollout
+        from rlep.services.rollout.main import start_rollout
 
         parsed = RolloutConfig.model_validate(config)
         # Reachable from the rest of the cluster unless the config pins a host.

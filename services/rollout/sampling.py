@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from rlep.rollout.v1 import rollout_pb2
-from services.rollout.config import RolloutConfig
-from services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE, Sampling
+from rlep.services.rollout.config import RolloutConfig
+from rlep.services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE, Sampling
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024

@@ -17,17 +17,17 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rlep.common.files import sha256_file
+from rlep.common.grpc_utils import check_request_size, reject_unknown_fields
+from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep_common.files import sha256_file
-from rlep_common.grpc_utils import check_request_size, reject_unknown_fields
-from rlep_common.wire import FINISH_TO_PROTO
-from services.rollout.config import RolloutConfig
-from services.rollout.engine import CallAbandoned, EngineUnavailable, RolloutEngine, VersionError
-from services.rollout.nccl import BroadcastGroup, manifest_bytes, manifest_digest
-from services.rollout.sampling import sampling_from_request
-from services.rollout.staging import WORKER_PREFIX, staged_file
-from services.rollout.types import Generation
-from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header
+from rlep.services.rollout.config import RolloutConfig
+from rlep.services.rollout.engine import CallAbandoned, EngineUnavailable, RolloutEngine, VersionError
+from rlep.services.rollout.sampling import sampling_from_request
+from rlep.services.rollout.types import Generation
+from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest
+from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header
+from rlep.services.weights.staging import WORKER_PREFIX, staged_file
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _receive(self, chunks, header, staging: ExitStack) -> tuple[Path, str]:
         """The payload's path and its sha256. A streamed payload is staged in a locked file that `staging`
-        removes (services/rollout/staging.py); a shared file stays its sender's."""
+        removes (services/weights/staging.py); a shared file stays its sender's."""
         first = next(chunks, None)
         if first is not None and first.WhichOneof("kind") == "shared_file":
             if next(chunks, None) is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlep_common.types import FinishReason
+from rlep.common.types import FinishReason
 
 # vLLM's own bounds on sampling (vllm/sampling_params.py): it refuses temperatures above MAX_TEMPERATURE, and
 # below GREEDY_BELOW it decodes greedily and refuses n > 1. Rollout checks them before its engine sees a request;

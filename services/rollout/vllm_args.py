@@ -5,16 +5,11 @@ from __future__ import annotations
 import logging
 import os
 
-from services.rollout.config import EngineConfig
-from services.rollout.types import Sampling
+from rlep.common.tiny_model import resolve_model
+from rlep.services.rollout.config import EngineConfig
+from rlep.services.rollout.types import Sampling
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model(model: str) -> str:
-    from rlep_common.tiny_model import PRESETS, cached_model
-
-    return str(cached_model(model)) if model in PRESETS else model
 
 
 def engine_kwargs(config: EngineConfig) -> dict:

@@ -4,7 +4,7 @@ vLLM calls these through `LLM.collective_rpc(name, args=...)`; arguments cross a
 so they are plain values (a file path, names and shapes), never tensors or pickled callables.
 
 - `load_safetensors_file`: the CPU / single-host path, exercised by CI. The file was checked by
-  name, shape, dtype and sha256 before it gets here (services/rollout/weights.py).
+  name, shape, dtype and sha256 before it gets here (services/weights/payload.py).
 - `init_weight_broadcast` / `receive_weight_broadcast`: the GPU path (vLLM's documented RLHF
   pattern: a stateless process group between learner rank 0 and the workers, then one NCCL
   broadcast per tensor). NOT exercised by CI: there is no GPU on our machines.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlep.common.grpc_utils import call_with_retry, make_channel
+from rlep.common.types import Verdict
+from rlep.common.wire import VERDICT_FROM_PROTO
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from rlep_common.grpc_utils import call_with_retry, make_channel
-from rlep_common.types import Verdict
-from rlep_common.wire import VERDICT_FROM_PROTO
 
 # A step's batch (512 questions x 16 responses) takes tens of seconds on a few cores; allow it.
 DEFAULT_TIMEOUT_S = 600.0

@@ -6,7 +6,7 @@ import os
 
 from pydantic import Field, model_validator
 
-from rlep_common.config import ServerConfig, StrictModel
+from rlep.common.config import ServerConfig, StrictModel
 
 DEFAULT_PORT = 50061
 

@@ -8,7 +8,7 @@ is decided by HF math-verify (symbolic and numeric comparison through sympy).
 of the process (`signal.setitimer(ITIMER_PROF)`), in place of math-verify's own `signal.alarm`
 timeouts, which count wall time and so turned slow-but-legal answers into TIMEOUT whenever the
 machine was busy. The process must not run other busy threads (they would use up the budget). The
-service runs checks in worker processes (`services.verifier.pool`) and adds a hard wall-clock
+service runs checks in worker processes (`rlep.services.verifier.pool`) and adds a hard wall-clock
 per-item timeout on top, because a pathological input can block inside C code where no signal
 handler runs.
 
@@ -21,19 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rlep_common.types import Verdict
-
-BOXED_MARKERS = ("\\boxed", "\\fbox")
-# DAPO-Math asks for a last line "Answer: $Answer"; verl's math_dapo reads it the same way.
-# Markdown emphasis around it ("**Answer:** 9") is common in chat models' output and tolerated.
-ANSWER_LINE = re.compile(r"(?im)^[ \t*#]*answer[ \t*]*:[ \t*]*(\S[^\n]*)$")
+from rlep.common.answers import extract_answer
+from rlep.common.types import Verdict
 
 
 @dataclass(frozen=True)
@@ -51,49 +46,6 @@ class CheckResult:
     verdict: Verdict
     extracted_answer: str
     seconds: float = 0.0
-
-
-def _balanced_group(text: str, open_index: int) -> str | None:
-    """Content of the `{...}` group opening at `open_index`, or None when it never closes."""
-    depth = 0
-    for i in range(open_index, len(text)):
-        char = text[i]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_index + 1 : i]
-    return None
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` / `\\fbox{...}`; also `\\boxed 5`. None if absent."""
-    start = max(text.rfind(marker) for marker in BOXED_MARKERS)
-    if start < 0:
-        return None
-    marker = next(m for m in BOXED_MARKERS if text.startswith(m, start))
-    rest = start + len(marker)
-    if text.startswith("{", rest):
-        return _balanced_group(text, rest)
-    if text.startswith(" ", rest):  # `\boxed 5`: the token after the space
-        token = text[rest + 1 :].split(maxsplit=1)
-        return token[0].rstrip("$.") if token else None
-    return None
-
-
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: last boxed group, else last "Answer:" line. None if neither."""
-    boxed = extract_boxed(response)
-    if boxed is not None:
-        return boxed.strip()
-    matches = ANSWER_LINE.findall(response)
-    if not matches:
-        return None
-    answer = matches[-1].strip().rstrip("*").strip()
-    if len(answer) >= 2 and answer[0] == "$" and answer[-1] == "$":
-        answer = answer.strip("$").strip()
-    return answer or None
 
 
 @contextlib.contextmanager
@@ -142,7 +94,7 @@ def check_answer(response: str, ground_truth: str, options: CheckOptions = Check
 
     if threading.current_thread() is not threading.main_thread():
         # The CPU-time limit is a signal handler; elsewhere every check would fail as UNPARSEABLE.
-        raise RuntimeError("check_answer must run on a process's main thread (see services.verifier.pool)")
+        raise RuntimeError("check_answer must run on a process's main thread (see rlep.services.verifier.pool)")
 
     started = time.perf_counter()
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from rlep_common.grpc_utils import add_validated_servicer, build_server
-from rlep_common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep_common.metrics import MetricsServer, service_registry
-from services.verifier.config import VerifierConfig
-from services.verifier.core import CheckOptions
-from services.verifier.pool import VerifyPool
-from services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
+from rlep.common.grpc_utils import add_validated_servicer, build_server
+from rlep.common.lifecycle import start_metrics, wait_for_stop_signal
+from rlep.common.metrics import MetricsServer, service_registry
+from rlep.services.verifier.config import VerifierConfig
+from rlep.services.verifier.core import CheckOptions
+from rlep.services.verifier.pool import VerifyPool
+from rlep.services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
 
 log = logging.getLogger(__name__)
 

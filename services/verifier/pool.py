@@ -30,8 +30,8 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from rlep_common.types import Verdict
-from services.verifier.core import CheckOptions, CheckResult, check_answer
+from rlep.common.types import Verdict
+from rlep.services.verifier.core import CheckOptions, CheckResult, check_answer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Serve adds placement, health checks and restarts; clients still speak the same g
 address the config names. The port is the config's own (default 50061), not a free one, so the learner
 and eval can be pointed at `<node>:50061` without a registry: run one replica per node (the default
 `num_replicas: 1`). `deploy/ray/serve.yaml` deploys it with `serve deploy` (import path
-`services.verifier.ray_app:app_builder`).
+`rlep.services.verifier.ray_app:app_builder`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 from ray import serve
 
-from rlep_common.types import Verdict
-from services.verifier.config import VerifierConfig
+from rlep.common.types import Verdict
+from rlep.services.verifier.config import VerifierConfig
 
 log = logging.getLogger(__name__)
 # Serve calls check_health every 10 s; a busy pool queues the probe behind real work, so allow it time,
@@ -27,7 +27,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 @serve.deployment(name="verifier", health_check_period_s=10, health_check_timeout_s=30)
 class VerifierReplica:
     def __init__(self, config: dict[str, Any]):
-        from services.verifier.main import start_verifier
+        from rlep.services.verifier.main import start_verifier
 
         parsed = VerifierConfig.model_validate(config)
         self._running = start_verifier(parsed)

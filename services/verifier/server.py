@@ -13,13 +13,13 @@ from concurrent.futures import CancelledError
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rlep.common.grpc_utils import check_request_size
+from rlep.common.types import Verdict
+from rlep.common.wire import VERDICT_TO_PROTO
+from rlep.services.verifier.config import VerifierConfig
+from rlep.services.verifier.core import reward_of
+from rlep.services.verifier.pool import VerifyPool
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from rlep_common.grpc_utils import check_request_size
-from rlep_common.types import Verdict
-from rlep_common.wire import VERDICT_TO_PROTO
-from services.verifier.config import VerifierConfig
-from services.verifier.core import reward_of
-from services.verifier.pool import VerifyPool
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
 

@@ -22,7 +22,7 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def demo_run(ray_local, tmp_path_factory):
-    from services.learner.demo import DemoConfig, run_demo
+    from rlep.services.cli.demo import DemoConfig, run_demo
 
     out = tmp_path_factory.mktemp("demo")
     config = DemoConfig(
@@ -62,7 +62,7 @@ def test_both_runs_start_from_the_warmup_checkpoint(demo_run):
     """RL moves the weights a little from where it starts; the untrained model is far from there."""
     from safetensors.torch import load_file
 
-    from rlep_common.tiny_model import cached_model
+    from rlep.common.tiny_model import cached_model
 
     config, _ = demo_run
     untrained = load_file(str(cached_model("tiny") / "model.safetensors"))

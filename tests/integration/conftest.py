@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlep_common.config import ServerConfig
+from rlep.common.config import ServerConfig
 
 
 @pytest.fixture(scope="session")
@@ -17,8 +17,8 @@ def auth_token_file(tmp_path_factory):
 @pytest.fixture(scope="session")
 def verifier(auth_token_file):
     """A real verifier (2 math-verify worker processes) requiring a bearer token, with /metrics."""
-    from services.verifier.config import VerifierConfig
-    from services.verifier.main import start_verifier
+    from rlep.services.verifier.config import VerifierConfig
+    from rlep.services.verifier.main import start_verifier
 
     config = VerifierConfig(
         server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file, max_request_bytes=8 * 2**20),
@@ -33,7 +33,7 @@ def verifier(auth_token_file):
 
 @pytest.fixture(scope="session")
 def verifier_client(verifier, auth_token_file):
-    from services.verifier.client import VerifierClient
+    from rlep.services.verifier.client import VerifierClient
 
     token = auth_token_file.read_text().strip()
     with VerifierClient(f"127.0.0.1:{verifier.port}", token=token, chunk_items=500) as client:
@@ -51,7 +51,7 @@ def redis_url(tmp_path_factory):
             return
     except redis.ConnectionError:
         pass
-    from rlep_common.redis_server import start_local_redis
+    from rlep.common.redis_server import start_local_redis
 
     local = start_local_redis(tmp_path_factory.mktemp("redis"))
     yield local.url
@@ -61,8 +61,8 @@ def redis_url(tmp_path_factory):
 @pytest.fixture(scope="session")
 def replay(redis_url, auth_token_file):
     """A real replay server over real Redis, requiring a bearer token, with /metrics."""
-    from services.replay.config import ReplayConfig
-    from services.replay.main import start_replay
+    from rlep.services.replay.config import ReplayConfig
+    from rlep.services.replay.main import start_replay
 
     config = ReplayConfig(
         server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file),
@@ -77,7 +77,7 @@ def replay(redis_url, auth_token_file):
 
 @pytest.fixture(scope="session")
 def replay_client(replay, auth_token_file):
-    from services.replay.client import ReplayClient
+    from rlep.services.replay.client import ReplayClient
 
     with ReplayClient(f"127.0.0.1:{replay.port}", token=auth_token_file.read_text().strip()) as client:
         yield client
@@ -101,8 +101,8 @@ ROLLOUT_ENGINE = {"model": "tiny", "dtype": "float32", "max_model_len": 512, "ma
 @pytest.fixture(scope="session")
 def rollout(auth_token_file):
     """A real vLLM CPU worker (the locally built tiny model, float32) behind gRPC, with a token and /metrics."""
-    from services.rollout.config import RolloutConfig
-    from services.rollout.main import start_rollout
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.main import start_rollout
 
     config = RolloutConfig(
         server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE, max_n=64
@@ -114,7 +114,7 @@ def rollout(auth_token_file):
 
 @pytest.fixture(scope="session")
 def rollout_client(rollout, auth_token_file):
-    from services.rollout.client import RolloutClient
+    from rlep.services.rollout.client import RolloutClient
 
     client = RolloutClient([f"127.0.0.1:{rollout.port}"], token=auth_token_file.read_text().strip(), timeout_s=300)
     yield client
@@ -125,8 +125,8 @@ def rollout_client(rollout, auth_token_file):
 def eval_rollout(auth_token_file):
     """Eval's own rollout deployment (a second tiny vLLM worker): evaluating a checkpoint pushes weights here,
     never to the `rollout` fixture, which stands for the policy being trained."""
-    from services.rollout.config import RolloutConfig
-    from services.rollout.main import start_rollout
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.main import start_rollout
 
     config = RolloutConfig(
         server=ServerConfig(port=0, auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE, max_n=64
@@ -141,7 +141,7 @@ def eval_config(rollout, verifier, redis_url, auth_token_file, tmp_path):
     """An eval service config over the session's real rollout and verifier, small limits, a 2 s lease, and a
     fresh Redis key prefix (deleted afterwards: the CI Redis is shared). No checkpoint_rollout: tests that
     evaluate checkpoints add `eval_rollout`. User files are allowed under the test's tmp_path only."""
-    from services.eval.config import EvalConfig
+    from rlep.services.eval.config import EvalConfig
 
     rollout_settings = {
         "addresses": [f"127.0.0.1:{rollout.port}"],
@@ -202,7 +202,7 @@ def delete_keys(redis_url: str, prefix: str) -> None:
 @pytest.fixture
 def eval_service(eval_config):
     """A real eval service (HTTP on a free loopback port, jobs in Redis) for one test."""
-    from services.eval.main import start_eval
+    from rlep.services.eval.main import start_eval
 
     running = start_eval(eval_config)
     yield running
@@ -211,7 +211,7 @@ def eval_service(eval_config):
 
 @pytest.fixture
 def eval_client(eval_service, auth_token_file):
-    from services.eval.client import EvalClient
+    from rlep.services.eval.client import EvalClient
 
     with EvalClient(eval_service.url, token=auth_token_file.read_text().strip()) as client:
         yield client

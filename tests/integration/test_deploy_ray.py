@@ -27,10 +27,10 @@ def healthcheck(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def serve_verifier(ray_local, auth_token_file):
-    """services.verifier.ray_app deployed as `serve deploy` would, with one worker (ray_local has 2 CPUs)."""
+    """rlep.services.verifier.ray_app deployed as `serve deploy` would, with one worker (ray_local has 2 CPUs)."""
     from ray import serve
 
-    from services.verifier.ray_app import app_builder
+    from rlep.services.verifier.ray_app import app_builder
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = free_port()
@@ -45,7 +45,7 @@ def serve_verifier(ray_local, auth_token_file):
 @pytest.fixture(scope="module")
 def fake_rollout_registry(ray_local, serve_verifier):
     """A rollout registry holding one live gRPC server (the verifier answers health checks) and one dead address."""
-    from services.rollout.ray_app import registry
+    from rlep.services.rollout.ray_app import registry
 
     handle = registry(FAKE_ROLLOUT_APP)
     ray_local.get(handle.register.remote("live", serve_verifier))
@@ -55,7 +55,7 @@ def fake_rollout_registry(ray_local, serve_verifier):
 
 
 def test_verifier_app_serves_the_grpc_contract_with_its_token(serve_verifier, auth_token_file):
-    from services.verifier.client import VerifierClient
+    from rlep.services.verifier.client import VerifierClient
 
     with VerifierClient(serve_verifier, token=auth_token_file.read_text().strip()) as client:
         [outcome] = client.verify([(r"the answer is \boxed{\frac12}", "0.5")])
@@ -96,7 +96,7 @@ def test_eval_app_finds_rollout_through_the_registry_and_serves_http(
 ):
     from ray import serve
 
-    from services.eval.ray_app import app_builder
+    from rlep.services.eval.ray_app import app_builder
 
     port = free_port()
     config = {

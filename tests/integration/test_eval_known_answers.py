@@ -17,13 +17,13 @@ import grpc
 import httpx
 import pytest
 
+from rlep.common.tls import CA_FILE_ENV
 from rlep.common.v1 import trajectory_pb2
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep_common.tls import CA_FILE_ENV
-from services.eval.api import DatasetRequest, EvaluationRequest, JobStatus
-from services.eval.client import EvalClient
-from services.eval.config import EvalConfig
-from services.eval.main import start_eval
+from rlep.services.eval.api import DatasetRequest, EvaluationRequest, JobStatus
+from rlep.services.eval.client import EvalClient
+from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.main import start_eval
 from tests.integration.conftest import delete_keys, eval_settings
 from tests.integration.test_tls import self_signed
 from tests.metrics_util import samples, scrape

@@ -22,15 +22,15 @@ from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
-from rlep_common.tiny_model import cached_model
-from rlep_common.types import FinishReason
-from services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus
-from services.eval.client import EvalApiError, EvalClient
-from services.eval.config import EvalConfig
-from services.eval.core import DatasetTally, SampleScore, load_dataset, score_question
-from services.eval.main import start_eval
-from services.rollout.types import Sampling
+from rlep.common.tiny_model import cached_model
+from rlep.common.types import FinishReason
+from rlep.services.cli.app import app
+from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus
+from rlep.services.eval.client import EvalApiError, EvalClient
+from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.core import DatasetTally, SampleScore, load_dataset, score_question
+from rlep.services.eval.main import start_eval
+from rlep.services.rollout.types import Sampling
 from tests.metrics_util import series_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -234,7 +234,7 @@ def test_a_killed_service_leaves_its_job_failed_with_the_reason_and_its_queue_in
 ):
     config_file = tmp_path / "eval.yaml"
     config_file.write_text(json.dumps(eval_config.model_dump(mode="json")))  # JSON is YAML
-    command = [sys.executable, "-m", "rlep_common.cli", "serve", "eval", "--config", str(config_file)]
+    command = [sys.executable, "-m", "rlep.services.cli.app", "serve", "eval", "--config", str(config_file)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlep_common.types import Verdict
+from rlep.common.types import Verdict
 from tests.integration.test_learner_loop import arithmetic_parquet, seed_pool, train_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -20,11 +20,12 @@ APP = "rlep-rollout-faults"
 @pytest.fixture(scope="module")
 def fault_setup(ray_local, tmp_path_factory, redis_url):
     """Two rollout replicas on Ray Serve, verifier and replay actors, one DeepSpeed learner actor."""
-    from rlep_common.tiny_model import cached_model
-    from services.learner.data import load_questions
-    from services.learner.launch import LocalStack, RayPolicy
-    from services.learner.main import policy_tokenizer
-    from services.learner.trainer import Trainer
+    from rlep.common.tiny_model import cached_model
+    from rlep.services.cli.run import policy_tokenizer
+    from rlep.services.cli.stack import LocalStack
+    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.ray_policy import RayPolicy
+    from rlep.services.learner.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("faults")
     rows = arithmetic_parquet(tmp / "train.parquet", 16, seed=2)

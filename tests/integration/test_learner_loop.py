@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlep_common.dataset import question_id
-from rlep_common.types import Trajectory, Verdict
+from rlep.common.dataset import question_id
+from rlep.common.types import Trajectory, Verdict
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,7 +41,7 @@ def arithmetic_parquet(path: Path, count: int, seed: int = 0) -> list[dict]:
 
 
 def train_config(tmp_path: Path, data: Path, **algorithm):
-    from services.learner.config import TrainConfig
+    from rlep.services.learner.config import TrainConfig
 
     return TrainConfig.model_validate(
         {
@@ -75,8 +75,8 @@ def train_config(tmp_path: Path, data: Path, **algorithm):
 @pytest.fixture(scope="module")
 def loop_stack(ray_local, tmp_path_factory, redis_url):
     """Rollout (Ray Serve), verifier and replay (Ray actors) for the whole module."""
-    from rlep_common.tiny_model import cached_model
-    from services.learner.launch import LocalStack
+    from rlep.common.tiny_model import cached_model
+    from rlep.services.cli.stack import LocalStack
 
     tmp = tmp_path_factory.mktemp("stack")
     config = train_config(tmp, tmp / "unused.parquet")
@@ -118,7 +118,7 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     """Three RLEP steps; after each, the learner's /metrics (bearer token required) shows that step's figures."""
     import urllib.error
 
-    from services.learner.main import run_training
+    from rlep.services.cli.run import run_training
     from tests.conftest import free_port
     from tests.metrics_util import scrape, series_value
 
@@ -221,10 +221,10 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     import yaml
     from safetensors.torch import load_file
 
-    from services.learner.config import TrainConfig
-    from services.learner.data import DataCursor, load_questions
-    from services.learner.main import run_training
-    from services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
+    from rlep.services.cli.run import run_training
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.data import DataCursor, load_questions
+    from rlep.services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
     from tests.integration.test_serve_cli import rlep_command
 
     started = time.monotonic()
@@ -309,9 +309,9 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
     """Only verified successes reach the pool; a rerun after a finished collection samples nothing."""
     from dataclasses import replace
 
-    from services.learner.collect import CollectConfig, collect
-    from services.learner.data import load_questions
-    from services.learner.step_inputs import Services
+    from rlep.services.learner.collect import CollectConfig, collect
+    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.step_inputs import Services
 
     arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
     questions = load_questions([tmp_path / "train.parquet"])
@@ -347,8 +347,8 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
 
 def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     """RLEP's released training file (reward_model.candidates, text only) works as is: `rlep train` imports it."""
-    from services.learner.main import run_training
-    from services.learner.pool_seed import seed_pool_from_candidates
+    from rlep.services.cli.run import run_training
+    from rlep.services.learner.pool_seed import seed_pool_from_candidates
 
     rows = arithmetic_parquet(tmp_path / "plain.parquet", 8, seed=7)
     for row in rows:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlep_common.types import Group, Source, Trajectory
-from services.learner.batch import ExperienceBatch, build_batch
+from rlep.common.types import Group, Source, Trajectory
+from rlep.services.learner.batch import ExperienceBatch, build_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,8 +52,8 @@ def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
 
 
 def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, **deepspeed):
-    from services.learner.config import TrainConfig
-    from services.learner.launch import RayPolicy
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.ray_policy import RayPolicy
 
     config = TrainConfig.model_validate(
         {
@@ -83,7 +83,7 @@ def run_update(model_dir, batch: ExperienceBatch, case: tuple[int, int, bool], h
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from rlep_common.tiny_model import cached_model
+    from rlep.common.tiny_model import cached_model
 
     return cached_model("tiny")
 
@@ -182,7 +182,7 @@ def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir,
 def test_saved_checkpoint_keeps_tokenizer_and_chat_template(updates, model_dir, hf_dir):
     from transformers import AutoTokenizer
 
-    from rlep_common.tiny_model import CHAT_TEMPLATE
+    from rlep.common.tiny_model import CHAT_TEMPLATE
 
     assert (hf_dir / "chat_template.jinja").exists()
     assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
@@ -197,7 +197,7 @@ def test_saved_checkpoint_keeps_tokenizer_and_chat_template(updates, model_dir, 
 
 
 def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_path):
-    from services.learner.policy import copy_tokenizer_files
+    from rlep.services.learner.policy import copy_tokenizer_files
 
     source, target = tmp_path / "source", tmp_path / "target"
     tokenizer_files = [

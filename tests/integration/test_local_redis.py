@@ -13,7 +13,7 @@ import time
 import pytest
 import redis
 
-from rlep_common.redis_server import PASSWORD_FILE, _is_our_redis, _pid_alive, start_local_redis
+from rlep.common.redis_server import PASSWORD_FILE, _is_our_redis, _pid_alive, start_local_redis
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 OWNER = """
 import sys
 from pathlib import Path
-from rlep_common.redis_server import start_local_redis
+from rlep.common.redis_server import start_local_redis
 kwargs = {} if sys.argv[2] == "default" else {"die_with_owner": False}
 server = start_local_redis(Path(sys.argv[1]), **kwargs)
 print(server.url, server.process.pid, flush=True)
@@ -88,9 +88,9 @@ def test_kill_9_of_the_owner_loses_no_acknowledged_write(tmp_path, mode):
 
 
 def test_a_live_owner_keeps_its_directory(tmp_path, monkeypatch):
-    import rlep_common.redis_server
+    import rlep.common.redis_server
 
-    monkeypatch.setattr(rlep_common.redis_server, "LOCK_WAIT_S", 0.5)  # a live owner never lets go
+    monkeypatch.setattr(rlep.common.redis_server, "LOCK_WAIT_S", 0.5)  # a live owner never lets go
     data_dir = tmp_path / "redis"
     owner, url, server_pid = start_owner(data_dir, "default")
     try:

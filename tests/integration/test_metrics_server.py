@@ -15,10 +15,10 @@ import urllib.request
 import grpc
 import pytest
 
+from rlep.common.auth import DUPLICATE
+from rlep.common.grpc_utils import make_channel
+from rlep.common.metrics import HEAD_TIMEOUT_S, MetricsServer, service_registry
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep_common.auth import DUPLICATE
-from rlep_common.grpc_utils import make_channel
-from rlep_common.metrics import HEAD_TIMEOUT_S, MetricsServer, service_registry
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
+from rlep.services.cli.app import app
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_converted_model_chats_and_answers(smollm2_dir, shared_data):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.learner.data import load_questions
+    from rlep.services.learner.data import load_questions
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from rlep_common.dataset import question_id
-from rlep_common.grpc_utils import make_channel
-from services.replay.client import ReplayClient
+from rlep.common.dataset import question_id
+from rlep.common.grpc_utils import make_channel
+from rlep.services.replay.client import ReplayClient
 from tests.conftest import free_port
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
-from rlep_common.config import ServerConfig
+from rlep.common.config import ServerConfig
+from rlep.services.cli.app import app
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,8 +44,8 @@ def dapo_rows(shared_data) -> list[dict]:
 @pytest.fixture(scope="module")
 def smollm2_rollout(smollm2_dir, auth_token_file):
     """The converted model behind a real rollout server (vLLM CPU build), with a bearer token."""
-    from services.rollout.config import RolloutConfig
-    from services.rollout.main import start_rollout
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.main import start_rollout
 
     engine = {"model": str(smollm2_dir), "max_model_len": 1024, "max_num_seqs": 16, "enforce_eager": True}
     config = RolloutConfig(server=ServerConfig(port=0, metrics_port=0, auth_token_file=auth_token_file), engine=engine)
@@ -63,13 +63,13 @@ def run_cli(*args: str) -> str:
 def test_rlep_on_a_released_pool_with_a_pretrained_model(
     ray_local, smollm2_dir, smollm2_rollout, verifier, replay, replay_client, auth_token_file, dapo_rows, tmp_path
 ):
-    from rlep_common.types import Verdict
-    from services.learner.config import TrainConfig
-    from services.learner.data import DataCursor, load_questions
-    from services.learner.experience import ReplayReport
-    from services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
-    from services.learner.tokens import PolicyTokenizer
-    from services.rollout.client import RolloutClient
+    from rlep.common.types import Verdict
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.data import DataCursor, load_questions
+    from rlep.services.learner.experience import ReplayReport
+    from rlep.services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
+    from rlep.services.learner.tokens import PolicyTokenizer
+    from rlep.services.rollout.client import RolloutClient
 
     pool = f"pretrained-{uuid.uuid4().hex[:12]}"  # the CI Redis outlives test runs
     train_file = tmp_path / "dapo17k.parquet"

@@ -2,7 +2,7 @@
 
 Ray's GCS, raylet, core workers and agents listen on every interface unless their node address is
 loopback, and Ray swaps a requested 127.0.0.1 for the machine's external IP unless it is in its
-"no cluster" mode (`services.learner.launch.init_ray`). This checks every TCP port that any process
+"no cluster" mode (`rlep.common.ray_local.init_ray`). This checks every TCP port that any process
 of the instance listens on, and that a second process (what `rlep train --ray-address` does) can join.
 """
 

@@ -7,14 +7,14 @@ import logging
 import grpc
 import pytest
 
+from rlep.common.config import ServerConfig
+from rlep.common.redis_server import start_local_redis
+from rlep.common.types import Trajectory, Verdict
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
-from rlep_common.config import ServerConfig
-from rlep_common.redis_server import start_local_redis
-from rlep_common.types import Trajectory, Verdict
-from services.replay.client import ReplayClient
-from services.replay.config import ReplayConfig
-from services.replay.main import start_replay
+from rlep.services.replay.client import ReplayClient
+from rlep.services.replay.config import ReplayConfig
+from rlep.services.replay.main import start_replay
 
 pytestmark = pytest.mark.integration
 
@@ -53,11 +53,11 @@ def test_kill_9_after_acknowledged_adds_loses_nothing(tmp_path):
 
 
 def redis_log(caplog, phrase: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "services.replay" and phrase in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "rlep.services.replay" and phrase in r.getMessage()]
 
 
 def test_redis_going_away_gives_unavailable_and_no_partial_write(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="services.replay")
+    caplog.set_level(logging.INFO, logger="rlep.services.replay")
     redis_server = start_local_redis(tmp_path / "redis")
     config = ReplayConfig(server=ServerConfig(port=0), redis_url=redis_server.url, redis_timeout_s=2.0)
     running = start_replay(config)
@@ -91,7 +91,7 @@ def test_redis_going_away_gives_unavailable_and_no_partial_write(tmp_path, caplo
 
 
 def test_a_full_redis_gives_resource_exhausted_logged_once(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="services.replay")
+    caplog.set_level(logging.INFO, logger="rlep.services.replay")
     redis_server = start_local_redis(
         tmp_path / "redis",
         appendfsync="everysec",

@@ -9,14 +9,14 @@ import time
 import grpc
 import pytest
 
+from rlep.common.config import ServerConfig
+from rlep.common.grpc_utils import make_channel
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep_common.config import ServerConfig
-from rlep_common.grpc_utils import make_channel
-from services.replay.config import ReplayConfig
-from services.replay.errors import CallAbandoned
-from services.replay.main import start_replay
-from services.replay.store import RedisReplayStore
+from rlep.services.replay.config import ReplayConfig
+from rlep.services.replay.errors import CallAbandoned
+from rlep.services.replay.main import start_replay
+from rlep.services.replay.store import RedisReplayStore
 
 pytestmark = pytest.mark.integration
 

@@ -12,12 +12,12 @@ import grpc
 import pytest
 import torch
 
+from rlep.common.grpc_utils import make_channel
+from rlep.common.types import FinishReason
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep_common.grpc_utils import make_channel
-from rlep_common.types import FinishReason
-from services.rollout.client import stream_payload
-from services.rollout.types import Sampling
-from services.rollout.weights import to_payload
+from rlep.services.rollout.client import stream_payload
+from rlep.services.rollout.types import Sampling
+from rlep.services.weights.payload import to_payload
 from tests.metrics_util import scrape, series_value, service_labels
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -346,7 +346,7 @@ def test_metrics_need_the_token(rollout):
 
 def _broadcast_push(stub, version: int, entries, **override):
     """An UpdateWeights call that asks the worker to receive `entries` over NCCL (GPU workers only)."""
-    from services.rollout.nccl import manifest_bytes, manifest_digest
+    from rlep.services.weights.nccl import manifest_bytes, manifest_digest
 
     header = rollout_pb2.WeightHeader(
         version=version, sha256=manifest_digest(entries), total_bytes=manifest_bytes(entries)
@@ -362,7 +362,7 @@ def _broadcast_push(stub, version: int, entries, **override):
 
 def test_nccl_broadcast_pushes_are_checked_and_a_cpu_worker_declines_them(stub, rollout, hf_model):
     """The GPU path's control half: the manifest is checked like any payload; a CPU worker says it can't."""
-    from services.rollout.nccl import manifest
+    from rlep.services.weights.nccl import manifest
 
     version = rollout.engine.version
     entries = manifest(perturbed_state_dict(hf_model, 12))

@@ -16,10 +16,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep_common.config import ServerConfig
-from rlep_common.grpc_utils import make_channel
-from rlep_common.types import FinishReason
-from services.rollout.types import Sampling
+from rlep.common.config import ServerConfig
+from rlep.common.grpc_utils import make_channel
+from rlep.common.types import FinishReason
+from rlep.services.rollout.types import Sampling
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,9 +60,9 @@ def mixed_prompts(seed: int) -> list:
 @pytest.fixture(scope="module")
 def long_rollout(auth_token_file):
     """A worker on the tiny model with a 4096-token context, CPU engine defaults otherwise (float32, eager)."""
-    from rlep_common.tiny_model import ModelSpec, cached_model
-    from services.rollout.config import RolloutConfig
-    from services.rollout.main import start_rollout
+    from rlep.common.tiny_model import ModelSpec, cached_model
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.main import start_rollout
 
     model = cached_model(ModelSpec(max_position_embeddings=MODEL_LEN))
     engine = {"model": str(model), "dtype": "float32", "max_model_len": MODEL_LEN, "enforce_eager": True}
@@ -74,7 +74,7 @@ def long_rollout(auth_token_file):
 
 @pytest.fixture(scope="module")
 def long_client(long_rollout, auth_token_file):
-    from services.rollout.client import RolloutClient
+    from rlep.services.rollout.client import RolloutClient
 
     client = RolloutClient([f"127.0.0.1:{long_rollout.port}"], token=auth_token_file.read_text().strip(), timeout_s=300)
     yield client
@@ -88,8 +88,8 @@ def token_ids(completions) -> list[list[list[int]]]:
 def test_cpu_defaults_turn_chunked_prefill_off_and_extra_args_win():
     from vllm.platforms import current_platform
 
-    from services.rollout.config import EngineConfig
-    from services.rollout.engine import engine_kwargs
+    from rlep.services.rollout.config import EngineConfig
+    from rlep.services.rollout.engine import engine_kwargs
 
     default = False if current_platform.is_cpu() else None  # None: GPU vLLM's own default
     assert engine_kwargs(EngineConfig())["enable_chunked_prefill"] is default

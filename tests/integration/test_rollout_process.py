@@ -13,9 +13,9 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rlep.common.grpc_utils import make_channel
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep_common.grpc_utils import make_channel
-from services.rollout.main import ENGINE_FAILED_EXIT_CODE
+from rlep.services.rollout.main import ENGINE_FAILED_EXIT_CODE
 from tests.conftest import free_port
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 from tests.unit.test_rollout_staging import MAKER

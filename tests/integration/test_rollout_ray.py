@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlep_common.config import ServerConfig
-from services.rollout.types import Sampling
+from rlep.common.config import ServerConfig
+from rlep.services.rollout.types import Sampling
 from tests.conftest import free_port
 from tests.integration.conftest import ROLLOUT_ENGINE
 
@@ -18,8 +18,8 @@ APP = "rlep-rollout-test"
 def serve_rollout(ray_local, auth_token_file):
     from ray import serve
 
-    from services.rollout.config import RolloutConfig
-    from services.rollout.ray_app import build_app
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     config = RolloutConfig(server=ServerConfig(auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE)
@@ -29,7 +29,7 @@ def serve_rollout(ray_local, auth_token_file):
 
 
 def test_serve_deployment_answers_the_typed_client(serve_rollout, auth_token_file):
-    from services.rollout.client import RolloutClient
+    from rlep.services.rollout.client import RolloutClient
 
     client = RolloutClient.from_ray(APP, token=auth_token_file.read_text().strip())
     try:
@@ -56,7 +56,7 @@ def test_serve_deployment_answers_the_typed_client(serve_rollout, auth_token_fil
 def client_text(token_ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
-    from rlep_common.tiny_model import cached_model
+    from rlep.common.tiny_model import cached_model
 
     return AutoTokenizer.from_pretrained(cached_model("tiny")).decode(token_ids)
 
@@ -65,7 +65,7 @@ def tiny_state_dict():
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from rlep_common.tiny_model import cached_model
+    from rlep.common.tiny_model import cached_model
 
     model = Qwen2ForCausalLM.from_pretrained(cached_model("tiny"), dtype=torch.float32)
     return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}

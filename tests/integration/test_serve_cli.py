@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep_common.grpc_utils import make_channel
-from rlep_common.types import Verdict
-from services.verifier.client import VerifierClient
+from rlep.common.grpc_utils import make_channel
+from rlep.common.types import Verdict
+from rlep.services.verifier.client import VerifierClient
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def test_serve_verifier_over_tls(tmp_path, monkeypatch):
     import ssl
     import urllib.request
 
-    from rlep_common.tls import CA_FILE_ENV
+    from rlep.common.tls import CA_FILE_ENV
     from tests.integration.test_tls import self_signed
 
     cert_file, key_file = self_signed(tmp_path)
@@ -93,8 +93,8 @@ def test_serve_verifier_over_tls(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_serve_rollout_process_standalone():
     """`rlep serve rollout` without Ray (how Kubernetes runs it): serves, then stops cleanly on SIGTERM."""
-    from services.rollout.client import RolloutClient
-    from services.rollout.types import Sampling
+    from rlep.services.rollout.client import RolloutClient
+    from rlep.services.rollout.types import Sampling
 
     port = free_port()
     sets = ["engine.model=tiny", "engine.enforce_eager=true", "engine.max_model_len=256"]

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from rlep_common.config import ServerConfig
-from rlep_common.grpc_utils import build_server, make_channel
-from rlep_common.lifecycle import start_metrics
-from rlep_common.metrics import service_registry
-from rlep_common.tls import CA_FILE_ENV, SERVER_NAME_ENV, uvicorn_ssl_kwargs
+from rlep.common.config import ServerConfig
+from rlep.common.grpc_utils import build_server, make_channel
+from rlep.common.lifecycle import start_metrics
+from rlep.common.metrics import service_registry
+from rlep.common.tls import CA_FILE_ENV, SERVER_NAME_ENV, uvicorn_ssl_kwargs
 
 pytestmark = pytest.mark.integration
 
@@ -111,9 +111,9 @@ def test_tls_files_go_in_pairs_and_must_exist(tmp_path):
 
 
 def test_the_learners_metrics_serve_tls_when_configured(tmp_path):
-    from rlep_common.config import TlsFiles
-    from services.learner.config import TrainConfig
-    from services.learner.main import _start_metrics
+    from rlep.common.config import TlsFiles
+    from rlep.services.cli.run import _start_metrics
+    from rlep.services.learner.config import TrainConfig
 
     cert_file, key_file = self_signed(tmp_path)
     config = TrainConfig(metrics_port=0, metrics_tls=TlsFiles(tls_cert_file=cert_file, tls_key_file=key_file))

@@ -17,14 +17,14 @@ import statistics
 import pytest
 import torch
 
-from rlep_common.tiny_model import ModelSpec, cached_model
-from rlep_common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
-from services.learner.config import TrainConfig
-from services.learner.data import Question
-from services.learner.step_inputs import Services
-from services.learner.tokens import PolicyTokenizer
-from services.learner.trainer import Trainer
-from services.rollout.types import Completion, SampleOut
+from rlep.common.tiny_model import ModelSpec, cached_model
+from rlep.common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.data import Question
+from rlep.services.learner.step_inputs import Services
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.trainer import Trainer
+from rlep.services.rollout.types import Completion, SampleOut
 
 pytestmark = [pytest.mark.integration]
 

@@ -11,12 +11,12 @@ import time
 import grpc
 import pytest
 
+from rlep.common.config import ServerConfig
+from rlep.common.grpc_utils import make_channel
+from rlep.common.types import Verdict
+from rlep.common.wire import VERDICT_TO_PROTO
+from rlep.services.verifier.pool import WINDOW
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from rlep_common.config import ServerConfig
-from rlep_common.grpc_utils import make_channel
-from rlep_common.types import Verdict
-from rlep_common.wire import VERDICT_TO_PROTO
-from services.verifier.pool import WINDOW
 from tests.metrics_util import scrape, series_value
 
 pytestmark = pytest.mark.integration
@@ -35,8 +35,8 @@ DROPPED = "rlep_verifier_items_dropped_total"
 
 @pytest.fixture(scope="module")
 def limited_verifier():
-    from services.verifier.config import VerifierConfig
-    from services.verifier.main import start_verifier
+    from rlep.services.verifier.config import VerifierConfig
+    from rlep.services.verifier.main import start_verifier
 
     running = start_verifier(
         VerifierConfig(server=ServerConfig(port=0, metrics_port=0), num_workers=1, request_timeout_s=LIMIT_S)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rlep_common.types import Verdict
-from services.verifier.core import CheckOptions
-from services.verifier.pool import WINDOW, VerifyPool
+from rlep.common.types import Verdict
+from rlep.services.verifier.core import CheckOptions
+from rlep.services.verifier.pool import WINDOW, VerifyPool
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from rlep.common.grpc_utils import make_channel
+from rlep.common.types import Verdict
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from rlep_common.grpc_utils import make_channel
-from rlep_common.types import Verdict
 from tests.conftest import read_jsonl
 from tests.metrics_util import series_value, service_labels
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from rlep_common.tiny_model import ModelSpec, cached_model
-from services.learner.task import is_correct, make_problem, make_problems
-from services.learner.warmup import (
+from rlep.common.tiny_model import ModelSpec, cached_model
+from rlep.services.learner.task import is_correct, make_problem, make_problems
+from rlep.services.learner.warmup import (
     RESULT_FILE,
     WarmupConfig,
     completion_loss,

@@ -1,8 +1,8 @@
-"""The one Authorization rule (`rlep_common.auth.check_bearer`) that gRPC, /metrics and eval share."""
+"""The one Authorization rule (`rlep.common.auth.check_bearer`) that gRPC, /metrics and eval share."""
 
 import pytest
 
-from rlep_common.auth import DUPLICATE, MISSING, WRONG_SCHEME, WRONG_TOKEN, check_bearer, grpc_authorization_values
+from rlep.common.auth import DUPLICATE, MISSING, WRONG_SCHEME, WRONG_TOKEN, check_bearer, grpc_authorization_values
 
 
 @pytest.mark.parametrize("value", ["Bearer tok", "bearer tok", "BEARER tok", "  Bearer   tok  ", b"Bearer tok"])

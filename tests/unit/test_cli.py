@@ -7,14 +7,14 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
+from rlep.services.cli.app import app
 
 runner = CliRunner()
 
 
 def test_help_does_not_import_heavy_modules():
     code = (
-        "import sys\nfrom rlep_common.cli import app\n"
+        "import sys\nfrom rlep.services.cli.app import app\n"
         "try:\n    app(['serve', 'verifier', '--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = ('torch', 'grpc', 'math_verify', 'redis', 'vllm', 'deepspeed', 'ray')\n"
         "heavy = [m for m in heavy if m in sys.modules]\n"

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
-from rlep_common.types import FinishReason, Verdict
-from services.learner.collect import (
+from rlep.common.types import FinishReason, Verdict
+from rlep.services.cli.app import app
+from rlep.services.learner.collect import (
     CollectConfig,
     StateMismatch,
     collect,
@@ -19,9 +19,9 @@ from services.learner.collect import (
     load_state,
     run_settings,
 )
-from services.learner.data import Question, load_questions
-from services.learner.trainer import Services
-from services.rollout.types import Completion, SampleOut
+from rlep.services.learner.data import Question, load_questions
+from rlep.services.learner.trainer import Services
+from rlep.services.rollout.types import Completion, SampleOut
 
 
 class Rollout:
@@ -151,8 +151,8 @@ class ServicesStarted(Exception):
 
 
 def test_cli_resumes_its_own_state_file_and_refuses_another_runs(tmp_path, monkeypatch):
-    from services.learner.config import TrainConfig
-    from services.learner.task import make_problems, write_parquet
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.task import make_problems, write_parquet
 
     data = write_parquet(make_problems(4, 0, "train"), tmp_path / "train.parquet")
     ckpt = checkpoint_dir(tmp_path / "ckpt")
@@ -163,7 +163,7 @@ def test_cli_resumes_its_own_state_file_and_refuses_another_runs(tmp_path, monke
     def init_ray(*args):
         raise ServicesStarted
 
-    monkeypatch.setattr("services.learner.launch.init_ray", init_ray)
+    monkeypatch.setattr("rlep.common.ray_local.init_ray", init_ray)
     args = ["collect", "--model", str(ckpt), "--data", str(data), "--pool", "p", "--state-file", str(state)]
     same = CliRunner().invoke(app, args)
     assert isinstance(same.exception, ServicesStarted) and "1 chunks done: resuming" in same.output

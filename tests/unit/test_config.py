@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlep_common.cli import SERVICES, _load
-from rlep_common.config import (
+from rlep.common.config import (
     CONFIG_DIR,
     ServerConfig,
     StrictModel,
@@ -15,13 +14,14 @@ from rlep_common.config import (
     parse_override,
     redact_secrets,
 )
-from services.verifier.config import VerifierConfig
+from rlep.services.cli.app import SERVICES, _load
+from rlep.services.verifier.config import VerifierConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # Config files of jobs rather than services: file stem -> config class.
-JOB_CONFIGS = {"train": "services.learner.config:TrainConfig"}
+JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig"}
 
 
 def test_every_config_file_parses():
@@ -72,8 +72,8 @@ def test_parse_override():
 
 def test_a_partial_section_keeps_the_sections_defaults(tmp_path):
     """Replay's `server` defaults to port 50062: setting only its host, from any layer, must not reset the port."""
-    from services.eval.config import EvalConfig
-    from services.replay.config import ReplayConfig
+    from rlep.services.eval.config import EvalConfig
+    from rlep.services.replay.config import ReplayConfig
 
     path = tmp_path / "r.yaml"
     path.write_text("server:\n  host: 0.0.0.0\n")

@@ -13,7 +13,7 @@ import pytest
 import redis
 import yaml
 
-from rlep_common.redis_server import redis_server_binary
+from rlep.common.redis_server import redis_server_binary
 from tests.conftest import REPO_ROOT, free_port
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

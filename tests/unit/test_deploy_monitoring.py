@@ -42,11 +42,11 @@ def _metric_objects(holder) -> list[MetricWrapperBase]:
 
 def exported_families() -> dict[str, tuple[str, frozenset[str]]]:
     """Metric family name (`_total` kept on counters) -> (type, label names) over every service."""
-    from services.eval.server import EvalMetrics
-    from services.learner.metrics import LearnerMetrics
-    from services.replay.server import ReplayMetrics
-    from services.rollout.server import RolloutMetrics
-    from services.verifier.server import VerifierMetrics
+    from rlep.services.eval.server import EvalMetrics
+    from rlep.services.learner.metrics import LearnerMetrics
+    from rlep.services.replay.server import ReplayMetrics
+    from rlep.services.rollout.server import RolloutMetrics
+    from rlep.services.verifier.server import VerifierMetrics
 
     holders = [cls(CollectorRegistry()) for cls in (VerifierMetrics, ReplayMetrics, RolloutMetrics, LearnerMetrics)]
     holders.append(EvalMetrics(CollectorRegistry(), _NoJobs()))

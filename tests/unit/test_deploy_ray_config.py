@@ -26,9 +26,9 @@ def test_serve_config_passes_rays_schema_and_names_every_service():
 
 
 def test_every_import_path_is_an_app_builder_that_accepts_its_args():
-    from services.eval.config import EvalConfig
-    from services.rollout.config import RolloutConfig
-    from services.verifier.config import VerifierConfig
+    from rlep.services.eval.config import EvalConfig
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.verifier.config import VerifierConfig
 
     classes = {"rlep-rollout": RolloutConfig, "rlep-verifier": VerifierConfig, "rlep-eval": EvalConfig}
     for app in load_serve_config().applications:

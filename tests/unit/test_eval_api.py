@@ -6,10 +6,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from services.eval.api import DatasetRequest, EvaluationRequest
-from services.eval.config import EvalConfig, EvalLimits
-from services.eval.server import validate_request
-from services.eval.store import _stored_request
+from rlep.services.eval.api import DatasetRequest, EvaluationRequest
+from rlep.services.eval.config import EvalConfig, EvalLimits
+from rlep.services.eval.server import validate_request
+from rlep.services.eval.store import _stored_request
 
 AMC3 = [DatasetRequest(name="amc23", limit=3)]
 

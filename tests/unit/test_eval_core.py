@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from rlep_common.types import Verdict
-from services.eval.cli import parse_datasets
-from services.eval.config import EvalConfig, EvalLimits, HttpServerConfig, RolloutEndpoints, VerifierEndpoint
-from services.eval.core import (
+from rlep.common.types import Verdict
+from rlep.services.cli.eval import parse_datasets
+from rlep.services.eval.config import EvalConfig, EvalLimits, HttpServerConfig, RolloutEndpoints, VerifierEndpoint
+from rlep.services.eval.core import (
     BOXED_INSTRUCTION,
     DatasetError,
     DatasetTally,
@@ -23,7 +23,7 @@ from services.eval.core import (
     normalize_answer,
     score_question,
 )
-from services.verifier.core import check_answer
+from rlep.services.verifier.core import check_answer
 
 SIZES = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}
 

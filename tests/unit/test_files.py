@@ -1,11 +1,11 @@
-"""rlep_common.files: the one reader of token files and of safetensors checkpoints."""
+"""rlep.common.files: the one reader of token files and of safetensors checkpoints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlep_common.files import load_safetensors, read_token_file
+from rlep.common.files import load_safetensors, read_token_file
 
 
 def test_token_files_are_one_stripped_line_and_never_empty(tmp_path):

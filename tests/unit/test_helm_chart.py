@@ -142,10 +142,10 @@ def test_referenced_configmaps_and_secrets_exist(manifests):
 
 
 def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path):
-    from services.eval.config import EvalConfig
-    from services.learner.config import TrainConfig
-    from services.replay.config import ReplayConfig
-    from services.verifier.config import VerifierConfig
+    from rlep.services.eval.config import EvalConfig
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.replay.config import ReplayConfig
+    from rlep.services.verifier.config import VerifierConfig
 
     files = by_kind(manifests, "ConfigMap")["rlep-config"]["data"]
     token = tmp_path / "token"
@@ -177,14 +177,14 @@ def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path
 def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
     from ray.serve.schema import ServeDeploySchema
 
-    from services.rollout.config import RolloutConfig
-    from services.rollout.ray_app import app_builder
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import app_builder
 
     [service] = by_kind(manifests, "RayService").values()
     assert service["apiVersion"] == "ray.io/v1"
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
     [app] = serve_config.applications
-    assert app.import_path == "services.rollout.ray_app:app_builder"
+    assert app.import_path == "rlep.services.rollout.ray_app:app_builder"
     token = tmp_path / "token"
     token.write_text("x\n")
     config = local(yaml.safe_dump(app.args["config"]), token)

@@ -27,7 +27,7 @@ def test_tls_manifests_validate(docs):
 
 
 def test_servers_read_the_certificate_the_pods_mount(docs, tmp_path):
-    from rlep_common.config import ServerConfig
+    from rlep.common.config import ServerConfig
 
     for name in ("tls.crt", "tls.key"):
         (tmp_path / name).write_text("pem")

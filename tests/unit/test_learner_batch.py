@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep_common.types import Group, Source, Trajectory, Verdict
-from services.learner.batch import build_batch, micro_batches, mini_batches, token_logprobs
-from services.learner.data import DataCursor, load_questions
+from rlep.common.types import Group, Source, Trajectory, Verdict
+from rlep.services.learner.batch import build_batch, micro_batches, mini_batches, token_logprobs
+from rlep.services.learner.data import DataCursor, load_questions
 
 
 def trajectory(qid: str, response: tuple[int, ...], reward: float, source=Source.FRESH) -> Trajectory:
@@ -54,7 +54,7 @@ def test_trajectories_without_tokens_are_refused():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_rewards_are_refused_naming_the_trajectory(bad):
-    from rlep_common.algorithm import NonFiniteError
+    from rlep.common.algorithm import NonFiniteError
 
     poisoned = trajectory("b", (9,), bad, Source.REPLAY)
     groups = [Group("a", "1", [trajectory("a", (8,), 1.0)]), Group("b", "2", [trajectory("b", (8,), 0.0), poisoned])]

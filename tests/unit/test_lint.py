@@ -32,7 +32,7 @@ def project_python_files() -> list[str]:
 
 def test_project_files_exclude_run_output():
     files = project_python_files()
-    assert "rlep_common/cli.py" in files and "tests/unit/test_lint.py" in files
+    assert "services/cli/app.py" in files and "tests/unit/test_lint.py" in files
     assert not [f for f in files if f.startswith(("rlep-demo/", "checkpoints/", "runs/"))]
 
 

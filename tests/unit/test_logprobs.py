@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.batch import ScoringModel, has_plain_lm_head, token_entropy, token_logprobs, token_scores
+from rlep.services.learner.batch import ScoringModel, has_plain_lm_head, token_entropy, token_logprobs, token_scores
 
 
 def _head_inputs(rows: int = 3, length: int = 11, hidden: int = 8, vocab: int = 50, seed: int = 0):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
-from rlep_common.model_import import ImportRefused, detect_format
+from rlep.common.model_import import ImportRefused, detect_format
+from rlep.services.cli.app import app
 
 runner = CliRunner()
 
@@ -66,7 +66,7 @@ def test_unsupported_gguf_architecture_is_refused_and_leaves_nothing(tmp_path):
     import gguf
     import numpy as np
 
-    from rlep_common.model_import import import_model
+    from rlep.common.model_import import import_model
 
     source = tmp_path / "src" / "odd.gguf"
     source.parent.mkdir()
@@ -83,7 +83,7 @@ def test_unsupported_gguf_architecture_is_refused_and_leaves_nothing(tmp_path):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys\nfrom rlep_common.cli import app\n"
+        "import sys\nfrom rlep.services.cli.app import app\n"
         "try:\n    app(['model', 'import', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('HEAVY', [m for m in ('torch', 'transformers', 'gguf') if m in sys.modules])"
     )

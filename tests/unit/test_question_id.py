@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlep_common.dataset import question_id
-from services.learner.data import load_questions
-from services.replay.parquet_io import read_pool_rows
+from rlep.common.dataset import question_id
+from rlep.common.pool_parquet import read_pool_rows
+from rlep.services.learner.data import load_questions
 
 
 def test_id_ignores_data_source_whitespace_and_unicode_form():

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rlep_common.cli import app
-from rlep_common.config import load_config
-from services.learner.config import TrainConfig
+from rlep.common.config import load_config
+from rlep.services.cli.app import app
+from rlep.services.learner.config import TrainConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs" / "recipes"
 

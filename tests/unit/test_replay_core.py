@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from rlep_common.dataset import question_id
-from services.replay.core import (
+from rlep.common.dataset import question_id
+from rlep.services.replay.core import (
     Candidate,
     Strategy,
     check_pool_name,
@@ -91,8 +91,8 @@ def _reference_diverse(candidates, m, rng):
 def test_vectorised_diverse_matches_the_set_definition(words, block_columns, monkeypatch):
     import random
 
-    from services.replay import core
-    from services.replay.core import jaccard_distances
+    from rlep.services.replay import core
+    from rlep.services.replay.core import jaccard_distances
 
     monkeypatch.setattr(core, "DIVERSE_BLOCK_COLUMNS", block_columns)  # 7: many column blocks
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from rlep.common.grpc_utils import unknown_field_paths
 from rlep.rollout.v1 import rollout_pb2
-from rlep_common.grpc_utils import unknown_field_paths
-from services.rollout.client import RolloutClient, prompt_to_proto, split_evenly
-from services.rollout.types import Sampling
+from rlep.services.rollout.client import RolloutClient, prompt_to_proto, split_evenly
+from rlep.services.rollout.types import Sampling
 
 
 @pytest.mark.parametrize(("count", "parts"), [(10, 3), (2, 5), (0, 2), (7, 1), (64, 4)])

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.rollout.nccl import manifest, manifest_bytes, manifest_digest, rank_offsets
-from services.rollout.weights import TensorInfo
+from rlep.services.weights.nccl import manifest, manifest_bytes, manifest_digest, rank_offsets
+from rlep.services.weights.payload import TensorInfo
 
 
 def test_manifest_lists_tensors_in_order_with_safetensors_dtypes():

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from rlep.rollout.v1 import rollout_pb2
-from services.rollout.config import RolloutConfig
-from services.rollout.sampling import sampling_from_request
+from rlep.services.rollout.config import RolloutConfig
+from rlep.services.rollout.sampling import sampling_from_request
 
 CONFIG = RolloutConfig(max_n=8, max_prompts_per_request=4, max_samples_per_request=16)
 
@@ -54,7 +54,7 @@ def test_greedy_with_one_sample_and_unset_top_p_are_fine():
 def test_vllm_accepts_every_sampling_these_checks_pass():
     """Edge values on every field: whatever passes our checks builds vLLM SamplingParams without error, so no
     request that reaches the engine can fail there on its sampling options."""
-    from services.rollout.vllm_args import sampling_params
+    from rlep.services.rollout.vllm_args import sampling_params
 
     grid = itertools.product(
         [1, 2, 8],  # n

@@ -1,4 +1,4 @@
-"""Payload files in shared memory: a dead maker's are swept, a live maker's never (services/rollout/staging.py)."""
+"""Payload files in shared memory: a dead maker's are swept, a live maker's never (services/weights/staging.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import textwrap
 
 import torch
 
-from services.rollout.staging import OWNER_PREFIX, PUSH_PREFIX, WORKER_PREFIX, staged_file, sweep_stale
-from services.rollout.weights import write_payload
+from rlep.services.weights.payload import write_payload
+from rlep.services.weights.staging import OWNER_PREFIX, PUSH_PREFIX, WORKER_PREFIX, staged_file, sweep_stale
 
 # A process that stages a payload the way the worker does, says where, and waits to be killed.
 MAKER = textwrap.dedent(
     """
     import os, sys, time
-    from services.rollout.staging import WORKER_PREFIX, staged_file
+    from rlep.services.weights.staging import WORKER_PREFIX, staged_file
     with staged_file(sys.argv[1], WORKER_PREFIX) as (fd, path):
         os.write(fd, b"x" * 4096)
         print(path, flush=True)

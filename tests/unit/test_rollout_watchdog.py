@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.rollout.main import EngineWatchdog
+from rlep.services.rollout.main import EngineWatchdog
 
 
 def test_a_dead_engine_turns_health_not_serving_and_releases_waiting_callers():

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from rlep_common.files import sha256_file
-from services.rollout.weights import TensorInfo, WeightError, WeightSpec, read_header, write_payload
+from rlep.common.files import sha256_file
+from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header, write_payload
 
 SPEC = WeightSpec(
     {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))},

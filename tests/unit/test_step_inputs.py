@@ -12,14 +12,14 @@ import logging
 import grpc
 import pytest
 
-from rlep_common.tiny_model import ModelSpec, cached_model
-from rlep_common.types import FinishReason, Trajectory, Verdict
-from services.learner.config import TrainConfig
-from services.learner.data import DataCursor, Question
-from services.learner.experience import ReplayReport
-from services.learner.step_inputs import ReplayMissingError, Services, StepInputs, StepTimer
-from services.learner.tokens import PolicyTokenizer
-from services.rollout.types import Completion, SampleOut
+from rlep.common.tiny_model import ModelSpec, cached_model
+from rlep.common.types import FinishReason, Trajectory, Verdict
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.data import DataCursor, Question
+from rlep.services.learner.experience import ReplayReport
+from rlep.services.learner.step_inputs import ReplayMissingError, Services, StepInputs, StepTimer
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.rollout.types import Completion, SampleOut
 
 SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
 

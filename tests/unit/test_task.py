@@ -5,8 +5,9 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from rlep_common.dataset import question_id
-from services.learner.task import (
+from rlep.common.answers import extract_answer
+from rlep.common.dataset import question_id
+from rlep.services.learner.task import (
     DATA_SOURCE,
     Problem,
     is_correct,
@@ -18,7 +19,6 @@ from services.learner.task import (
     split_of,
     write_parquet,
 )
-from services.verifier.core import extract_answer
 
 
 def test_same_arguments_give_the_same_problems_and_other_seeds_differ():
@@ -79,7 +79,7 @@ def test_bad_arguments_are_clear_errors():
 
 
 def test_parquet_has_the_verl_schema_and_imports_as_replay_questions(tmp_path):
-    from services.replay.parquet_io import read_pool_rows
+    from rlep.common.pool_parquet import read_pool_rows
 
     problems = make_problems(20, seed=0, split="eval")
     path = write_parquet(problems, tmp_path / "data" / "eval.parquet")

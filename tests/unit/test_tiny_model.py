@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlep_common.tiny_model import EOS, ModelSpec, cached_model, tokenizer_vocab
+from rlep.common.tiny_model import EOS, ModelSpec, cached_model, tokenizer_vocab
 
 SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
 

@@ -7,8 +7,9 @@ import time
 import pytest
 from math_verify.errors import TimeoutException
 
-from rlep_common.types import Verdict
-from services.verifier.core import CheckOptions, check_answer, cpu_time_limit, extract_answer
+from rlep.common.answers import extract_answer
+from rlep.common.types import Verdict
+from rlep.services.verifier.core import CheckOptions, check_answer, cpu_time_limit
 
 
 @pytest.mark.parametrize(

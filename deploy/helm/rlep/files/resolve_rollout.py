@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from services.rollout.ray_app import replica_addresses
+    from rlep.services.rollout.ray_app import replica_addresses
 
     ray.init(address=args.ray_address, log_to_driver=False)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlep_common.files import sha256_file
+from rlep.common.files import sha256_file
 
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
 

@@ -5,7 +5,7 @@ Each row: `data_source`, `prompt` (chat list of {role, content}), `ability`,
 {index, question_id}. Importing turns every candidate into a stored success (verdict CORRECT,
 reward 1, policy version 0, run id "import:<file name>") of the row's question; the question id is
 `extra_info.question_id` when present (files we exported), else
-`rlep_common.dataset.question_id(prompt)` (prompt content only, so a relabelled `data_source` still
+`rlep.common.dataset.question_id(prompt)` (prompt content only, so a relabelled `data_source` still
 matches), the one the learner computes from the training parquet, so imported successes are found
 at training time. Exporting writes one row per
 question with all its stored successes as candidates, which the reference verl recipe reads as-is.
@@ -19,9 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlep.common.dataset import question_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
-from rlep_common.dataset import question_id
 
 ROW_BATCH = 256
 CANDIDATE_VERSION = 0  # imported successes predate any policy version of this system

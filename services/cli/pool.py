@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from rlep_common.files import read_token_file
+from rlep.common.files import read_token_file
 
 pool_app = typer.Typer(
     help="Inspect, import, export and drop replay pools (talks to `rlep serve replay`).", no_args_is_help=True
@@ -21,7 +21,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50062"
 
 
 def _client(address: str, token_file: Path | None):
-    from services.replay.client import ReplayClient
+    from rlep.services.replay.client import ReplayClient
 
     token = read_token_file(token_file)
     return ReplayClient(address, token=token)
@@ -93,7 +93,7 @@ def import_pool(
     import pyarrow.parquet as pq
     from rich.progress import Progress
 
-    from services.replay.parquet_io import ROW_BATCH, read_pool_rows
+    from rlep.common.pool_parquet import ROW_BATCH, read_pool_rows
 
     rows = pq.ParquetFile(path).metadata.num_rows
     # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
@@ -122,7 +122,7 @@ def export_pool(
     """Write a pool in RLEP's released format (one row per question, successes as candidates)."""
     from rich.progress import Progress
 
-    from services.replay.parquet_io import write_pool_rows
+    from rlep.common.pool_parquet import write_pool_rows
 
     with _rpc_errors_exit(), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"exporting {pool}", total=client.stats(pool).questions)

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rlep_common.files import read_token_file
-from services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
-from services.eval.client import EvalApiError, EvalClient
+from rlep.common.files import read_token_file
+from rlep.services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
+from rlep.services.eval.client import EvalApiError, EvalClient
 
 
 def parse_datasets(text: str) -> list[DatasetRequest]:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlep_common.config import StrictModel
-from services.learner.config import TrainConfig
+from rlep.common.config import StrictModel
+from rlep.services.learner.config import TrainConfig
 
 
 class DemoConfig(StrictModel):
@@ -137,13 +137,14 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     from rich.console import Console
 
-    from rlep_common.tiny_model import cached_model
-    from services.learner.collect import CollectConfig, collect, push_checkpoint
-    from services.learner.data import load_questions
-    from services.learner.launch import LocalStack, init_ray
-    from services.learner.main import policy_tokenizer, run_training
-    from services.learner.task import make_problems, write_parquet
-    from services.learner.warmup import warmup
+    from rlep.common.ray_local import init_ray
+    from rlep.common.tiny_model import cached_model
+    from rlep.services.cli.run import policy_tokenizer, run_training
+    from rlep.services.cli.stack import LocalStack
+    from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
+    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.learner.warmup import warmup
 
     console = Console()
     out = demo.out_dir

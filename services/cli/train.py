@@ -1,4 +1,4 @@
-"""`rlep train`, `rlep collect` and `rlep demo` (registered on the main `rlep` app in rlep_common/cli.py)."""
+"""`rlep train`, `rlep collect` and `rlep demo` (registered on the main `rlep` app in services/cli/app.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ RayOpt = Annotated[str | None, typer.Option("--ray-address", help="Join this Ray
 
 def load_train_config(config: Path | None, sets: list[str] | None, flags: dict | None = None):
     """defaults < file < env < --set < `flags` (dotted paths of named options; None = not given)."""
-    from rlep_common.config import load_config, parse_override
-    from services.learner.config import TrainConfig
+    from rlep.common.config import load_config, parse_override
+    from rlep.services.learner.config import TrainConfig
 
     try:
         overrides = dict(parse_override(s) for s in sets or [])
@@ -38,12 +38,12 @@ def train(
     """Train with RLEP (or the M=0 baseline) over rollout, verifier and replay; starts what is not given."""
     resolved = load_train_config(config, set_)
     if dry_run:
-        from rlep_common.config import dump_config_json
+        from rlep.common.config import dump_config_json
 
         typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.learner.main import run_training
+    from rlep.services.cli.run import run_training
 
     records = run_training(resolved, resume=resume, ray_address=ray_address)
     if records:
@@ -104,12 +104,19 @@ def collect(
     from rich.console import Console
     from rich.table import Table
 
-    from services.learner.collect import StateMismatch, default_state_file, load_state, push_checkpoint, run_settings
-    from services.learner.collect import collect as run_collect
-    from services.learner.data import load_questions
-    from services.learner.launch import LocalStack, init_ray
-    from services.learner.tokens import PolicyTokenizer
-    from services.rollout.engine import resolve_model
+    from rlep.common.ray_local import init_ray
+    from rlep.common.tiny_model import resolve_model
+    from rlep.services.cli.stack import LocalStack
+    from rlep.services.learner.collect import (
+        StateMismatch,
+        default_state_file,
+        load_state,
+        push_checkpoint,
+        run_settings,
+    )
+    from rlep.services.learner.collect import collect as run_collect
+    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.tokens import PolicyTokenizer
 
     flags = {"model": model, "replay_pool": pool, "data.train_files": [str(p) for p in data or []] or None}
     flags |= {"collect.samples_per_question": n, "collect.temperature": temperature, "collect.top_p": top_p}
@@ -168,8 +175,8 @@ def demo(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and exit.")] = False,
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
-    from rlep_common.config import dump_config_json, parse_override
-    from services.learner.demo import DemoConfig
+    from rlep.common.config import dump_config_json, parse_override
+    from rlep.services.cli.demo import DemoConfig
 
     overrides = dict(parse_override(s) for s in set_ or [])
     try:
@@ -180,7 +187,7 @@ def demo(
         typer.echo(dump_config_json(config))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.learner.demo import run_demo
+    from rlep.services.cli.demo import run_demo
 
     run_demo(config)
 

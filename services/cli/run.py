@@ -8,12 +8,14 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.learner.config import TrainConfig
-from services.learner.data import load_questions
-from services.learner.launch import LocalStack, RayPolicy, init_ray
-from services.learner.pool_seed import seed_pool_from_candidates
-from services.learner.tokens import PolicyTokenizer
-from services.learner.trainer import Trainer
+from rlep.common.ray_local import init_ray
+from rlep.services.cli.stack import LocalStack
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.data import load_questions
+from rlep.services.learner.pool_seed import seed_pool_from_candidates
+from rlep.services.learner.ray_policy import RayPolicy
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ def run_training(
 
     Pass a started `stack` to share services between runs (the demo's three phases do).
     """
-    from services.rollout.engine import resolve_model
+    from rlep.common.tiny_model import resolve_model
 
     init_ray(ray_address)
     model_dir = Path(resolve_model(config.model))
@@ -90,13 +92,13 @@ def run_training(
 def _start_metrics(config: TrainConfig):
     if config.metrics_port is None:
         return None
-    from rlep_common.metrics import MetricsServer, service_registry
-    from rlep_common.tls import server_ssl_context
-    from services.learner.metrics import LearnerMetrics
+    from rlep.common.metrics import MetricsServer, service_registry
+    from rlep.common.tls import server_ssl_context
+    from rlep.services.learner.metrics import LearnerMetrics
 
     registry = service_registry("learner")
     metrics = LearnerMetrics(registry)
-    from rlep_common.files import read_token_file
+    from rlep.common.files import read_token_file
 
     token = read_token_file(config.endpoints.auth_token_file)
     ssl_context = server_ssl_context(config.metrics_tls)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.rollout.weights import TensorInfo
+from rlep.services.weights.payload import TensorInfo
 
 # torch dtype <-> safetensors spelling (what WeightSpec compares).
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -13,8 +13,8 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
-from rlep_common.model_import import model_app
-from rlep_common.pool_cli import pool_app
+from rlep.common.model_import import model_app
+from rlep.services.cli.pool import pool_app
 
 app = typer.Typer(
     help="RLEP: RL post-training of LLMs with experience replay.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -37,23 +37,23 @@ class ServiceEntry(NamedTuple):
 
 SERVICES: dict[str, ServiceEntry] = {
     "verifier": ServiceEntry(
-        "services.verifier.config:VerifierConfig",
-        "services.verifier.main:serve_forever",
+        "rlep.services.verifier.config:VerifierConfig",
+        "rlep.services.verifier.main:serve_forever",
         "math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts.",
     ),
     "replay": ServiceEntry(
-        "services.replay.config:ReplayConfig",
-        "services.replay.main:serve_forever",
+        "rlep.services.replay.config:ReplayConfig",
+        "rlep.services.replay.main:serve_forever",
         "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
     ),
     "rollout": ServiceEntry(
-        "services.rollout.config:RolloutConfig",
-        "services.rollout.main:serve_forever",
+        "rlep.services.rollout.config:RolloutConfig",
+        "rlep.services.rollout.main:serve_forever",
         "One vLLM worker (rlep.rollout.v1.Rollout): generates groups, takes weight pushes in place.",
     ),
     "eval": ServiceEntry(
-        "services.eval.config:EvalConfig",
-        "services.eval.main:serve_forever",
+        "rlep.services.eval.config:EvalConfig",
+        "rlep.services.eval.main:serve_forever",
         "Evaluation jobs over REST (default port 8080): Avg/Maj/Pass@N through rollout + verifier, kept in Redis.",
     ),
 }
@@ -84,7 +84,7 @@ def _resolve(
     metrics_port: int | None,
     sets: list[str] | None,
 ) -> Any:
-    from rlep_common.config import load_config, parse_override
+    from rlep.common.config import load_config, parse_override
 
     # Each flag sets only its own field; the rest of `server` keeps the service's defaults (load_config).
     overrides = dict(parse_override(s) for s in sets or [])
@@ -121,7 +121,7 @@ def _serve(
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         raise typer.BadParameter(str(err)) from err
     if dry_run:
-        from rlep_common.config import dump_config_json
+        from rlep.common.config import dump_config_json
 
         typer.echo(dump_config_json(resolved))
         return
@@ -153,16 +153,17 @@ for _service, _entry in SERVICES.items():
 @proto_app.command("gen")
 def proto_gen() -> None:
     """Regenerate the Python stubs next to every .proto file."""
-    from rlep_common.protogen import PROTO_ROOT, generate
+    from rlep.common.protogen import generate
 
-    written = generate(PROTO_ROOT)
-    typer.echo(f"wrote {len(written)} files under {PROTO_ROOT}")
+    written = generate()
+    folders = sorted({str(path.parent.parent.parent) for path in written})
+    typer.echo(f"wrote {len(written)} files under {', '.join(folders)}")
 
 
 @proto_app.command("check")
 def proto_check() -> None:
     """Fail if the committed stubs differ from what the .proto files generate."""
-    from rlep_common.protogen import stale_stubs
+    from rlep.common.protogen import stale_stubs
 
     stale = stale_stubs()
     if stale:
@@ -189,8 +190,8 @@ def eval_command(
     """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N."""
     from pydantic import ValidationError
 
-    from services.eval.api import EvaluationRequest
-    from services.eval.cli import parse_datasets, run_eval
+    from rlep.services.cli.eval import parse_datasets, run_eval
+    from rlep.services.eval.api import EvaluationRequest
 
     try:
         request = EvaluationRequest(
@@ -207,7 +208,7 @@ def eval_command(
     run_eval(server, auth_token_file, request, as_json=as_json)
 
 
-from services.learner.cli import register as _register_learner_commands  # noqa: E402 - typer only, light
+from rlep.services.cli.train import register as _register_learner_commands  # noqa: E402 - typer only, light
 
 _register_learner_commands(app)
 

@@ -1,0 +1,136 @@
+"""The services a run needs: `LocalStack` starts what `endpoints` leaves empty — rollout replicas as a Ray
+Serve deployment, verifier and replay as Ray actors (the replay one with its embedded Redis) — on the Ray
+instance it finds (`ray.init()` locally, or `--ray-address` for a cluster). Services given as addresses
+(Kubernetes, a shared deployment) are used as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rlep.common.files import read_token_file
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.ray_policy import free_port
+from rlep.services.learner.trainer import Services
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class ServiceActor:
+    """Hosts a verifier or replay service (its gRPC server and workers) inside Ray."""
+
+    def __init__(self, kind: str, config: dict[str, Any]):
+        from rlep.services.rollout.ray_app import bind_address
+
+        host = bind_address()
+        config = {**config, "server": {**config.get("server", {}), "host": host, "port": 0}}
+        if kind == "verifier":
+            from rlep.services.verifier.config import VerifierConfig
+            from rlep.services.verifier.main import start_verifier
+
+            self._running = start_verifier(VerifierConfig.model_validate(config))
+        elif kind == "replay":
+            from rlep.services.replay.config import ReplayConfig
+            from rlep.services.replay.main import start_replay
+
+            self._running = start_replay(ReplayConfig.model_validate(config))
+        else:
+            raise ValueError(f"unknown service {kind!r}")
+        self._address = f"{host}:{self._running.port}"
+
+    def address(self) -> str:
+        return self._address
+
+    def pids(self) -> list[int]:
+        """Worker process ids (the verifier's pool), for fault tests."""
+        pool = getattr(self._running, "pool", None)
+        return list(pool.worker_pids) if pool is not None else []
+
+    def stop(self) -> None:
+        self._running.stop()
+
+
+class LocalStack:
+    """The services of a run: given endpoints are used, missing ones are started on Ray."""
+
+    def __init__(self, config: TrainConfig, model_dir: Path, app_name: str = "rlep-rollout"):
+        self.config, self.model_dir, self.app_name = config, model_dir, app_name
+        self._actors: dict[str, Any] = {}
+        self._serve_started = False
+        self.services: Services | None = None
+        self.addresses: dict[str, str] = {}
+        self.token = read_token_file(config.endpoints.auth_token_file)
+
+    def start(self, need_replay: bool = True) -> Services:
+        from rlep.services.replay.client import ReplayClient
+        from rlep.services.rollout.client import RolloutClient
+        from rlep.services.verifier.client import VerifierClient
+
+        endpoints, local = self.config.endpoints, self.config.local
+        auth = {"auth_token_file": str(endpoints.auth_token_file)} if endpoints.auth_token_file else {}
+        if endpoints.rollout:
+            rollout = RolloutClient(endpoints.rollout, token=self.token)
+        else:
+            self._start_rollout(auth)
+            rollout = RolloutClient.from_ray(self.app_name, token=self.token)  # refresh() follows restarts
+        verifier_address = endpoints.verifier or self._start_actor(
+            "verifier", {"num_workers": local.verifier_workers, "server": auth}
+        )
+        verifier = VerifierClient(verifier_address, token=self.token)
+        self.addresses["verifier"] = verifier_address
+        replay = None
+        if need_replay:
+            replay_address = endpoints.replay or self._start_actor(
+                "replay", {"redis_url": local.replay_redis_url, "server": auth}
+            )
+            replay = ReplayClient(replay_address, token=self.token)
+            self.addresses["replay"] = replay_address
+        self.services = Services(rollout=rollout, verifier=verifier, replay=replay)
+        return self.services
+
+    def _start_actor(self, kind: str, config: dict) -> str:
+        actor = ServiceActor.remote(kind, config)
+        self._actors[kind] = actor
+        return ray.get(actor.address.remote())
+
+    def _start_rollout(self, auth: dict) -> None:
+        from ray import serve
+
+        from rlep.services.rollout.config import RolloutConfig
+        from rlep.services.rollout.ray_app import build_app
+
+        local = self.config.local
+        engine = local.rollout_engine.model_copy(update={"model": str(self.model_dir)})
+        config = RolloutConfig(engine=engine, server=auth or {})
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.run(
+            build_app(config, local.rollout_replicas, self.app_name, local.rollout_cpus),
+            name=self.app_name,
+            route_prefix=None,
+        )
+        self._serve_started = True
+        from rlep.services.rollout.ray_app import replica_addresses
+
+        replica_addresses(self.app_name, wait_s=600, expect=local.rollout_replicas)
+
+    def actor(self, kind: str):
+        """The Ray actor hosting a service this stack started ("verifier" or "replay"), if any."""
+        return self._actors.get(kind)
+
+    def close(self) -> None:
+        for actor in self._actors.values():
+            with contextlib.suppress(Exception):  # shutting down anyway
+                ray.get(actor.stop.remote(), timeout=30)
+            ray.kill(actor)
+        self._actors = {}
+        if self._serve_started:
+            from ray import serve
+
+            serve.delete(self.app_name)
+            self._serve_started = False

@@ -1,0 +1,2 @@
+"""Moving the policy's weights from the learner into rollout engines: payload files and checks, shared-memory
+staging, and the NCCL broadcast (used by both the learner and rollout; imports neither)."""
