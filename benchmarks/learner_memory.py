@@ -1,6 +1,6 @@
 """Peak RSS of one learner process doing one RLEP update on a real model (default: SmolLM2-135M-Instruct).
 
-One `PolicyTrainer` (DeepSpeed on gloo, one process, no Ray) loads the model, computes old logprobs
+One `DeepSpeedPolicy` (DeepSpeed on gloo, one process, no Ray) loads the model, computes old logprobs
 and runs one PPO update over a synthetic batch shaped like a real step (default 8 rows x 380 tokens,
 as measured in issue 11), then reports the process's peak resident memory (`ru_maxrss`) and the time
 of each phase. Run it from another checkout to compare versions of the learner:
@@ -34,7 +34,7 @@ def main() -> None:
     from rlep.common.types import Group, Trajectory
     from rlep.services.learner.batch import build_batch
     from rlep.services.learner.config import TrainConfig
-    from rlep.services.learner.policy import PolicyTrainer, init_distributed
+    from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
     overrides: dict = {}
     for item in args.set:
@@ -55,7 +55,7 @@ def main() -> None:
     )
     init_distributed(0, 1, "127.0.0.1", 29591)
     started = time.perf_counter()
-    policy = PolicyTrainer(args.model, config)
+    policy = DeepSpeedPolicy(args.model, config)
     load_s = time.perf_counter() - started
     module = policy.engine.module
     vocab = (module.config if hasattr(module, "config") else module.model.config).vocab_size  # older: the HF model

@@ -2,7 +2,7 @@
 
 A head `Linear(hidden, vocab)` over hidden states `[rows, length, hidden]` (requiring grad, like a
 decoder's output) stands in for the policy's last layer. Each variant runs what one micro-batch of
-`PolicyTrainer.update` runs there, backward of `sum(logprobs * weights)` included:
+`DeepSpeedPolicy.update` runs there, backward of `sum(logprobs * weights)` included:
 
 - old: full logits `[N, L, V]`, a float32 log-softmax of them for the logprobs, and after backward
   a second one for the entropy (a copy of the learner's previous code is kept below);
@@ -63,7 +63,7 @@ def old_token_entropy(logits):
 
 
 def old_step(head, states, tokens, weights, chunk: int) -> None:
-    """As the previous `PolicyTrainer.update` did per micro-batch (logits kept for the entropy after backward)."""
+    """As the previous `DeepSpeedPolicy.update` did per micro-batch (logits kept for the entropy after backward)."""
     import torch
 
     logits = head(states)  # [N, L, V]

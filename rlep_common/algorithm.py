@@ -186,8 +186,8 @@ def policy_loss(
         normalizer: denominator override for gradient accumulation (see `aggregate_loss`).
 
     Returns:
-        `(loss, metrics)`: a scalar loss to minimise and floats `clip_frac` (tokens where the
-        ratio clip is active), `clip_frac_lower` (tokens where the dual clip is active),
+        `(loss, metrics)`: a scalar loss to minimise and floats `clip_fraction` (tokens where the
+        ratio clip is active), `clip_fraction_dual` (tokens where the dual clip is active),
         `approx_kl` (mean of old - new logprob) and `ratio_mean`, all over unmasked tokens.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
@@ -214,8 +214,8 @@ def policy_loss(
     loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
     with torch.no_grad():
         metrics = {
-            "clip_frac": _safe_mean((clipped > unclipped).to(mask.dtype), mask).item(),
-            "clip_frac_lower": _safe_mean(((ppo_loss > dual_bound) & (adv < 0)).to(mask.dtype), mask).item(),
+            "clip_fraction": _safe_mean((clipped > unclipped).to(mask.dtype), mask).item(),
+            "clip_fraction_dual": _safe_mean(((ppo_loss > dual_bound) & (adv < 0)).to(mask.dtype), mask).item(),
             "approx_kl": _safe_mean(-log_ratio, mask).item(),
             "ratio_mean": _safe_mean(ratio, mask).item(),
         }

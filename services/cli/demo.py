@@ -140,7 +140,7 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     from rlep.common.ray_local import init_ray
     from rlep.common.tiny_model import cached_model
     from rlep.services.cli.run import policy_tokenizer, run_training
-    from rlep.services.cli.stack import LocalStack
+    from rlep.services.cli.stack import ServiceStack
     from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
     from rlep.services.learner.data import load_questions
     from rlep.services.learner.task import make_problems, write_parquet
@@ -160,7 +160,7 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     init_ray()
     baseline_config = demo_train_config(demo, "baseline", 0, warm.out_dir, train_data, eval_data)
     rlep_config = demo_train_config(demo, "rlep", demo.replayed_per_question, warm.out_dir, train_data, eval_data)
-    stack = LocalStack(baseline_config, warm.out_dir, app_name="rlep-demo-rollout")
+    stack = ServiceStack(baseline_config, warm.out_dir, app_name="rlep-demo-rollout")
     services = stack.start(need_replay=True)
     try:
         if baseline_config.replay_pool in services.replay.list_pools():

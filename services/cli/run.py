@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlep.common.ray_local import init_ray
-from rlep.services.cli.stack import LocalStack
+from rlep.services.cli.stack import ServiceStack
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import load_questions
 from rlep.services.learner.pool_seed import seed_pool_from_candidates
@@ -28,7 +28,7 @@ def run_training(
     config: TrainConfig,
     resume: bool = False,
     ray_address: str | None = None,
-    stack: LocalStack | None = None,
+    stack: ServiceStack | None = None,
     on_step: Callable[[dict], None] | None = None,
     show_progress: bool = True,
 ) -> list[dict]:
@@ -43,7 +43,7 @@ def run_training(
     questions = load_questions(config.data.train_files)
     eval_questions = load_questions(config.eval.files) if config.eval.files else []
     own_stack = stack is None
-    stack = stack or LocalStack(config, model_dir)
+    stack = stack or ServiceStack(config, model_dir)
     algo = config.algorithm
     services = stack.services if not own_stack else stack.start(algo.replayed_per_question > 0 or algo.online_replay)
     if services.replay is not None and algo.replayed_per_question > 0 and config.data.seed_pool_from_candidates:

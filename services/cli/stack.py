@@ -1,4 +1,4 @@
-"""The services a run needs: `LocalStack` starts what `endpoints` leaves empty — rollout replicas as a Ray
+"""The services a run needs: `ServiceStack` starts what `endpoints` leaves empty — rollout replicas as a Ray
 Serve deployment, verifier and replay as Ray actors (the replay one with its embedded Redis) — on the Ray
 instance it finds (`ray.init()` locally, or `--ray-address` for a cluster). Services given as addresses
 (Kubernetes, a shared deployment) are used as they are.
@@ -16,7 +16,7 @@ import ray
 from rlep.common.files import read_token_file
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.ray_policy import free_port
-from rlep.services.learner.trainer import Services
+from rlep.services.learner.trainer import ServiceClients
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,18 @@ class ServiceActor:
         self._running.stop()
 
 
-class LocalStack:
+class ServiceStack:
     """The services of a run: given endpoints are used, missing ones are started on Ray."""
 
     def __init__(self, config: TrainConfig, model_dir: Path, app_name: str = "rlep-rollout"):
         self.config, self.model_dir, self.app_name = config, model_dir, app_name
         self._actors: dict[str, Any] = {}
         self._serve_started = False
-        self.services: Services | None = None
+        self.services: ServiceClients | None = None
         self.addresses: dict[str, str] = {}
         self.token = read_token_file(config.endpoints.auth_token_file)
 
-    def start(self, need_replay: bool = True) -> Services:
+    def start(self, need_replay: bool = True) -> ServiceClients:
         from rlep.services.replay.client import ReplayClient
         from rlep.services.rollout.client import RolloutClient
         from rlep.services.verifier.client import VerifierClient
@@ -91,7 +91,7 @@ class LocalStack:
             )
             replay = ReplayClient(replay_address, token=self.token)
             self.addresses["replay"] = replay_address
-        self.services = Services(rollout=rollout, verifier=verifier, replay=replay)
+        self.services = ServiceClients(rollout=rollout, verifier=verifier, replay=replay)
         return self.services
 
     def _start_actor(self, kind: str, config: dict) -> str:

@@ -106,7 +106,7 @@ def collect(
 
     from rlep.common.ray_local import init_ray
     from rlep.common.tiny_model import resolve_model
-    from rlep.services.cli.stack import LocalStack
+    from rlep.services.cli.stack import ServiceStack
     from rlep.services.learner.collect import (
         StateMismatch,
         default_state_file,
@@ -133,7 +133,7 @@ def collect(
         raise typer.BadParameter(str(err), param_hint="--state-file") from err
     typer.echo(f"progress file {state_file}" + (f" ({done} chunks done: resuming)" if done else ""))
     init_ray(ray_address)
-    stack = LocalStack(train_config, model_dir)
+    stack = ServiceStack(train_config, model_dir)
     services = stack.start(need_replay=True)
     try:
         if train_config.endpoints.rollout:

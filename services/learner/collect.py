@@ -30,7 +30,7 @@ from rlep.common.files import load_safetensors
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.services.learner.config import CollectConfig
 from rlep.services.learner.data import Question
-from rlep.services.learner.step_inputs import Services
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 
@@ -111,7 +111,7 @@ def load_state(state_file: Path | None, settings: dict[str, Any]) -> CollectStat
 
 
 def collect(
-    services: Services,
+    services: ServiceClients,
     questions: list[Question],
     pool: str,
     config: CollectConfig,
@@ -163,7 +163,7 @@ def collect(
 
 
 def _collect_chunk(
-    services: Services,
+    services: ServiceClients,
     chunk: list[Question],
     pool: str,
     config: CollectConfig,

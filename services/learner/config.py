@@ -157,7 +157,7 @@ class DataConfig(StrictModel):
     them into `replay_pool` at start (idempotent; skipped when the pool already holds them all)."""
 
 
-class EvalConfig(StrictModel):
+class PeriodicEvalConfig(StrictModel):
     every_steps: int = Field(0, ge=0)
     """Evaluate the rollout policy on `files` every this many steps (0 = never)."""
     files: list[Path] = []
@@ -197,7 +197,7 @@ class TrainConfig(StrictModel):
     endpoints: EndpointsConfig = EndpointsConfig()
     local: LocalServicesConfig = LocalServicesConfig()
     data: DataConfig = DataConfig()
-    eval: EvalConfig = EvalConfig()
+    eval: PeriodicEvalConfig = PeriodicEvalConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     collect: CollectConfig = CollectConfig()
     """Settings of `rlep collect` when it is given this file (`configs/recipes/collect.yaml`)."""

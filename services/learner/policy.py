@@ -1,6 +1,6 @@
 """The trained policy on DeepSpeed: logprobs of a batch, PPO updates with DAPO's loss, weights, checkpoints.
 
-One `PolicyTrainer` per learner process. On this CPU machine kind DeepSpeed runs its CPU
+One `DeepSpeedPolicy` per learner process. On this CPU machine kind DeepSpeed runs its CPU
 accelerator over gloo (1 or more processes); on GPUs the same code runs over NCCL. ZeRO stage,
 dtype, gradient checkpointing, optimizer, warm-up and clipping come from the run's config.
 
@@ -103,7 +103,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-class PolicyTrainer:
+class DeepSpeedPolicy:
     def __init__(self, model_dir: Path, config: TrainConfig, rank: int = 0, world_size: int = 1):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -156,7 +156,7 @@ class PolicyTrainer:
         algo = self.config.algorithm
         lr = self._set_lr()
         self.engine.train()
-        sums = dict.fromkeys(("loss", "clip_frac", "clip_frac_lower", "approx_kl", "entropy", "tokens"), 0.0)
+        sums = dict.fromkeys(("loss", "clip_fraction", "clip_fraction_dual", "approx_kl", "entropy", "tokens"), 0.0)
         count = max(1, round(batch.size / rows_per_mini_batch))
         steps = 0
         for _ in range(algo.ppo_epochs):
@@ -168,8 +168,8 @@ class PolicyTrainer:
         tokens = sums["tokens"] or 1.0
         return {
             "loss": sums["loss"] / steps,
-            "clip_fraction": sums["clip_frac"] / tokens,
-            "clip_fraction_dual": sums["clip_frac_lower"] / tokens,
+            "clip_fraction": sums["clip_fraction"] / tokens,
+            "clip_fraction_dual": sums["clip_fraction_dual"] / tokens,
             "approx_kl": sums["approx_kl"] / tokens,
             "entropy": sums["entropy"] / tokens,
             "lr": lr,
@@ -214,7 +214,7 @@ class PolicyTrainer:
             sums["tokens"] += weight
             # Each micro-batch's loss is its part of the mini-batch's loss times world_size.
             sums["loss"] += loss.item() * weight_scale / self.world_size
-            for key in ("clip_frac", "clip_frac_lower", "approx_kl"):
+            for key in ("clip_fraction", "clip_fraction_dual", "approx_kl"):
                 sums[key] += stats[key] * weight
             sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
         self.optimizer_steps += 1

@@ -1,4 +1,4 @@
-"""The learner as DeepSpeed processes in Ray actors: `RayPolicy` runs `PolicyTrainer` in N actors (rank 0 is
+"""The learner as DeepSpeed processes in Ray actors: `RayPolicy` runs `DeepSpeedPolicy` in N actors (rank 0 is
 the rendezvous for gloo/NCCL) and offers the same calls as a local one."""
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ class PolicyActor:
         return self.node_address(), free_port()
 
     def setup(self, model_dir: str, config: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        from rlep.services.learner.policy import PolicyTrainer, init_distributed
+        from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         init_distributed(rank, world_size, master_addr, master_port)
-        self.trainer = PolicyTrainer(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
+        self.trainer = DeepSpeedPolicy(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
 
-    # Typed calls, one per `PolicyTrainer` method the learner uses (no method named by a string).
+    # Typed calls, one per `DeepSpeedPolicy` method the learner uses (no method named by a string).
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         return self.trainer.logprobs(batch)
 
@@ -68,7 +68,7 @@ def free_port() -> int:
 
 
 class RayPolicy:
-    """`PolicyTrainer` over `config.deepspeed.num_processes` Ray actors; every call goes to all of them."""
+    """`DeepSpeedPolicy` over `config.deepspeed.num_processes` Ray actors; every call goes to all of them."""
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -28,14 +28,22 @@ from rlep.services.learner.metrics import PHASES
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 
+if TYPE_CHECKING:
+    from rlep.services.replay.client import ReplayClient
+    from rlep.services.rollout.client import RolloutClient
+    from rlep.services.verifier.client import VerifierClient
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Services:
-    rollout: Any  # RolloutClient
-    verifier: Any  # VerifierClient
-    replay: Any | None  # ReplayClient (needed when M > 0 or online replay is on)
+class ServiceClients:
+    """The clients a run talks to (fakes of the same shape in unit tests)."""
+
+    rollout: RolloutClient
+    verifier: VerifierClient
+    replay: ReplayClient | None
+    """Needed when M > 0 or online replay is on."""
 
 
 @dataclass
@@ -79,7 +87,7 @@ class StepInputs:
         config: TrainConfig,
         questions: list[Question],
         cursor: DataCursor,
-        services: Services,
+        services: ServiceClients,
         tokenizer: PolicyTokenizer,
     ):
         self.config, self.questions, self.cursor = config, questions, cursor

@@ -8,7 +8,7 @@ scored like fresh samples (`experience.py`) -> advantages over each mixed group 
 of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
 to every rollout replica. M=0 is the baseline, on the same path.
 
-The policy object does the tensor work (a local `PolicyTrainer`, or `RayPolicy` spreading it over
+The policy object does the tensor work (a local `DeepSpeedPolicy`, or `RayPolicy` spreading it over
 DeepSpeed processes); everything else here is bookkeeping and service calls.
 
 Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
@@ -37,12 +37,12 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import DataCursor, Question
 from rlep.services.learner.experience import ReplayReport
 from rlep.services.learner.metrics import LearnerMetrics
-from rlep.services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
+from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 from rlep.services.weights.nccl import BroadcastGroup
 
-__all__ = ["Policy", "Services", "Trainer"]
+__all__ = ["Policy", "ServiceClients", "Trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Trainer:
         model_dir: Path,
         questions: list[Question],
         policy: Policy,
-        services: Services,
+        services: ServiceClients,
         tokenizer: PolicyTokenizer,
         metrics: LearnerMetrics | None = None,
         eval_questions: list[Question] | None = None,

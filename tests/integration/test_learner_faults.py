@@ -22,7 +22,7 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     """Two rollout replicas on Ray Serve, verifier and replay actors, one DeepSpeed learner actor."""
     from rlep.common.tiny_model import cached_model
     from rlep.services.cli.run import policy_tokenizer
-    from rlep.services.cli.stack import LocalStack
+    from rlep.services.cli.stack import ServiceStack
     from rlep.services.learner.data import load_questions
     from rlep.services.learner.ray_policy import RayPolicy
     from rlep.services.learner.trainer import Trainer
@@ -41,7 +41,7 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     local = config.local.model_copy(update={"rollout_replicas": 2, "replay_redis_url": redis_url})
     config = config.model_copy(update={"local": local, "steps": 100})
     model_dir = cached_model("tiny")
-    stack = LocalStack(config, model_dir, app_name=APP)
+    stack = ServiceStack(config, model_dir, app_name=APP)
     services = stack.start(need_replay=True)
     seed_pool(stack, config.replay_pool, rows)
     policy = RayPolicy(model_dir, config)

@@ -76,12 +76,12 @@ def train_config(tmp_path: Path, data: Path, **algorithm):
 def loop_stack(ray_local, tmp_path_factory, redis_url):
     """Rollout (Ray Serve), verifier and replay (Ray actors) for the whole module."""
     from rlep.common.tiny_model import cached_model
-    from rlep.services.cli.stack import LocalStack
+    from rlep.services.cli.stack import ServiceStack
 
     tmp = tmp_path_factory.mktemp("stack")
     config = train_config(tmp, tmp / "unused.parquet")
     config = config.model_copy(update={"local": config.local.model_copy(update={"replay_redis_url": redis_url})})
-    stack = LocalStack(config, cached_model("tiny"), app_name="rlep-rollout-loop")
+    stack = ServiceStack(config, cached_model("tiny"), app_name="rlep-rollout-loop")
     stack.start(need_replay=True)
     yield stack
     stack.close()
@@ -311,12 +311,12 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
 
     from rlep.services.learner.collect import CollectConfig, collect
     from rlep.services.learner.data import load_questions
-    from rlep.services.learner.step_inputs import Services
+    from rlep.services.learner.step_inputs import ServiceClients
 
     arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
     questions = load_questions([tmp_path / "train.parquet"])
     rollout = AnsweringRollout(loop_stack.services.rollout)
-    services = Services(rollout, loop_stack.services.verifier, loop_stack.services.replay)
+    services = ServiceClients(rollout, loop_stack.services.verifier, loop_stack.services.replay)
     config = CollectConfig(samples_per_question=4, max_response_tokens=12, questions_per_chunk=4, min_successes=1)
     state = tmp_path / "collect.json"
     pool = f"collect-{uuid.uuid4().hex[:12]}"  # the CI Redis outlives test runs

@@ -67,7 +67,7 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.data import DataCursor, load_questions
     from rlep.services.learner.experience import ReplayReport
-    from rlep.services.learner.step_inputs import Gathered, Services, StepInputs, StepTimer
+    from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
     from rlep.services.learner.tokens import PolicyTokenizer
     from rlep.services.rollout.client import RolloutClient
 
@@ -152,7 +152,7 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     # Stored rewards, no verifier: this checks the layout only (training re-verified them, as the records show).
     algorithm = {**config["algorithm"], "reverify_replayed": False}
     train_config = TrainConfig.model_validate({**config, "endpoints": {}, "algorithm": algorithm})
-    services = Services(rollout, None, replay_client)
+    services = ServiceClients(rollout, None, replay_client)
     inputs = StepInputs(train_config, questions, DataCursor(len(questions), 0, False), services, tokenizer)
     gathered = Gathered(questions, [tokenizer.encode_prompt(q.chat()) for q in questions], [[] for _ in questions])
     report = ReplayReport()

@@ -21,7 +21,7 @@ from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import Question
-from rlep.services.learner.step_inputs import Services
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
 from rlep.services.rollout.types import Completion, SampleOut
@@ -129,7 +129,7 @@ def make_trainer(tokenizer, verifier_client, replay_client, pool, **algorithm):
         }
     )
     policy, rollout = RecordingPolicy(), ScriptedRollout(tokenizer)
-    services = Services(rollout=rollout, verifier=verifier_client, replay=replay_client)
+    services = ServiceClients(rollout=rollout, verifier=verifier_client, replay=replay_client)
     trainer = Trainer(config, tokenizer.tokenizer.name_or_path, QUESTIONS, policy, services, tokenizer)
     trainer.start()
     return trainer, policy, rollout

@@ -107,8 +107,8 @@ def test_policy_loss_hand_computed_token_mean_and_gradients():
     loss.backward()
     # gradient flows only through the unclipped token: d(-A * r)/d logprob = -A * r, over 3 tokens
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, -0.5 / 3], [0.0, 0.0]]))
-    assert metrics["clip_frac"] == pytest.approx(1 / 3, abs=1e-6)
-    assert metrics["clip_frac_lower"] == pytest.approx(1 / 3, abs=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(1 / 3, abs=1e-6)
+    assert metrics["clip_fraction_dual"] == pytest.approx(1 / 3, abs=1e-6)
     assert metrics["approx_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.5) + math.log(20)) / 3, abs=1e-5)
 
 

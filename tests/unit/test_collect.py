@@ -20,7 +20,7 @@ from rlep.services.learner.collect import (
     run_settings,
 )
 from rlep.services.learner.data import Question, load_questions
-from rlep.services.learner.trainer import Services
+from rlep.services.learner.trainer import ServiceClients
 from rlep.services.rollout.types import Completion, SampleOut
 
 
@@ -60,7 +60,7 @@ def test_questions_need_k_distinct_successes():
     texts = {"q1": ["ok a", "ok b", "no"], "q2": ["ok a", "ok a", "no"], "q3": ["no", "no", "no"]}
     questions = [Question(q, (("user", q),), "1") for q in texts]
     replay = Replay()
-    services = Services(rollout=Rollout(texts), verifier=Verifier(), replay=replay)
+    services = ServiceClients(rollout=Rollout(texts), verifier=Verifier(), replay=replay)
     stats = collect(
         services, questions, "p", CollectConfig(samples_per_question=3, min_successes=2), show_progress=False
     )
@@ -75,7 +75,7 @@ CONFIG = CollectConfig(samples_per_question=2, min_successes=1, questions_per_ch
 
 
 def run(state_file, config=CONFIG, questions=QUESTIONS, checkpoint=None):
-    services = Services(rollout=Rollout(TEXTS), verifier=Verifier(), replay=Replay())
+    services = ServiceClients(rollout=Rollout(TEXTS), verifier=Verifier(), replay=Replay())
     stats = collect(services, questions, "p", config, state_file, show_progress=False, checkpoint=checkpoint)
     return stats, services.rollout.prompts
 

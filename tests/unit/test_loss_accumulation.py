@@ -1,6 +1,6 @@
 """Gradient accumulation as the learner does it: every loss mode, split over micro-batches and processes.
 
-`PolicyTrainer.update` gives each micro-batch `mini_batch_normalizer(whole mini-batch, agg,
+`DeepSpeedPolicy.update` gives each micro-batch `mini_batch_normalizer(whole mini-batch, agg,
 world_size)`, sums the micro-batch gradients on each process and lets DeepSpeed average the processes'
 gradients; it logs the sum of `loss / world_size` over micro-batches and processes. Here a tiny torch
 module stands in for the policy, and both must equal the mini-batch taken in one piece.

@@ -17,7 +17,7 @@ from rlep.common.types import FinishReason, Trajectory, Verdict
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import DataCursor, Question
 from rlep.services.learner.experience import ReplayReport
-from rlep.services.learner.step_inputs import ReplayMissingError, Services, StepInputs, StepTimer
+from rlep.services.learner.step_inputs import ReplayMissingError, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Completion, SampleOut
 
@@ -92,7 +92,7 @@ def inputs(tokenizer, correct, replay=None, **algorithm) -> StepInputs:
         }
     )
     qs = questions(len(correct))
-    services = Services(
+    services = ServiceClients(
         ScriptedRollout({f"{i}+0": c for i, c in enumerate(correct)}, tokenizer), ScriptedVerifier(), replay
     )
     return StepInputs(config, qs, DataCursor(len(qs), seed=0, shuffle=False), services, tokenizer)
