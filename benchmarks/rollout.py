@@ -5,8 +5,9 @@
    called through the typed client over loopback gRPC, alternating run by run so both see the
    same machine load. Prints tokens/s of each (medians) and the ratio (goal >= 0.95).
 2. Weight push, for the tiny model and a ~100M-parameter config: `RolloutClient.push_weights` over
-   both transports (streamed bytes, shared-memory file) vs writing the same tensors with
-   `safetensors.torch.save_file` and loading them back into the model (goal: push <= 2x raw).
+   both file transports (`StreamTransport`: streamed bytes, `SharedFileTransport`: shared-memory file)
+   vs writing the same tensors with `safetensors.torch.save_file` and loading them back into the model
+   (goal: push <= 2x raw).
 
     python benchmarks/rollout.py [--prompts 64] [--n 8] [--max-tokens 64] [--repeats 3] [--eager]
 """
@@ -103,7 +104,8 @@ def push_timings(args, client, model_dir: Path) -> dict:
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from rlep.services.rollout.config import default_staging_dir
+    from rlep.services.weights.staging import default_staging_dir
+    from rlep.services.weights.transport import SharedFileTransport, StreamTransport
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -112,14 +114,14 @@ def push_timings(args, client, model_dir: Path) -> dict:
     params = sum(t.numel() for t in state.values())
     version = client.versions()[0]
     result = {"params": params}
-    for transport in ("stream", "shared_file"):
+    for name, transport in (("stream", StreamTransport()), ("shared_file", SharedFileTransport())):
         timings = []
         for _ in range(args.repeats):
             version += 1
             started = time.perf_counter()
             client.push_weights(state, version, transport=transport)
             timings.append(time.perf_counter() - started)
-        result[transport] = statistics.median(timings)
+        result[name] = statistics.median(timings)
     timings = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(dir=default_staging_dir()) as tmp:

@@ -9,30 +9,23 @@ replica died or is restarting) is retried on another replica, so one lost replic
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
-import torch
 
 from rlep.common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep.services.rollout.config import default_staging_dir
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
-from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
-from rlep.services.weights.payload import TensorInfo, write_payload
-from rlep.services.weights.staging import PUSH_PREFIX, staged_file
+from rlep.services.weights.transport import AutoTransport, StateDictSource, WeightPush, WeightTransport
 
 log = logging.getLogger(__name__)
 
 # A prompt: token ids, raw text, or chat messages ({"role": ..., "content": ...}).
 PromptLike = Sequence[int] | str | Sequence[Mapping[str, str]]
-CHUNK_BYTES = 4 * 1024 * 1024
 # A replica that dies mid-call surfaces as one of these; the shard goes to another replica.
 FAILOVER_CODES = RETRYABLE_CODES | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
 
@@ -100,16 +93,6 @@ def replica_addresses_on_ray(app_name: str = "rlep-rollout", wait_s: float = 120
     from rlep.services.rollout.ray_app import replica_addresses
 
     return replica_addresses(app_name, wait_s=wait_s, expect=expect)
-
-
-def _is_local(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return True
-    try:
-        return host in {socket.gethostbyname(socket.gethostname()), socket.getfqdn()}
-    except OSError:
-        return False
 
 
 class RolloutClient:
@@ -236,77 +219,27 @@ class RolloutClient:
 
     def push_weights(
         self,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: StateDictSource,
         version: int,
-        transport: str = "auto",
+        transport: WeightTransport | None = None,
         replicas: Sequence[Replica] | None = None,
     ) -> list[rollout_pb2.UpdateWeightsResponse]:
-        """Sends a full (checkpoint-named) state dict to every replica as `version`.
-
-        `transport`: "stream" (safetensors bytes in chunks, any host), "shared_file" (one file in
-        shared memory, replicas on this host only), or "auto" (shared_file when every replica is local).
-        """
+        """Brings every serving replica (or `replicas`) to `version`: a full, checkpoint-named state dict (or a
+        function giving it) sent by `transport` (services/weights/transport.py; default `AutoTransport`: one
+        shared-memory file when every replica is on this host, else streamed over gRPC)."""
         targets = list(replicas if replicas is not None else self.serving())
-        if transport == "auto":
-            transport = "shared_file" if all(_is_local(r.address) for r in targets) else "stream"
-        if transport not in ("stream", "shared_file"):
-            raise ValueError(f"transport must be auto, stream or shared_file, got {transport!r}")
-        # Locked while it exists, so a worker starting on this host removes it if this process dies first.
-        with staged_file(default_staging_dir(), PUSH_PREFIX) as (_, path):
-            digest = write_payload(dict(state_dict), path)
-            header = rollout_pb2.WeightHeader(
-                version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
-            )
-            if transport == "shared_file":
-                messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
-                return self._push_all(targets, lambda: iter(messages))
-            return self._push_all(targets, lambda: stream_file(header, path))
+        transport = transport or AutoTransport()
+        with transport.prepare(state_dict, version, [r.address for r in targets]) as push:
+            return self._push_all(targets, push)
 
-    def push_weights_broadcast(
-        self,
-        entries: Sequence[tuple[str, TensorInfo]],
-        version: int,
-        group: BroadcastGroup,
-        broadcast: Callable[[], None],
-        workers_per_replica: int = 1,
-    ) -> list[rollout_pb2.UpdateWeightsResponse]:
-        """GPU only, NOT exercised by CI: every serving replica receives `version` over NCCL.
-
-        Each replica's UpdateWeights call carries the manifest `entries` (checked by the worker before
-        it joins) and its ranks in `group`; `broadcast()` then sends the tensors from the learner's rank 0
-        (`NcclWeightSender.broadcast`). The group's size is fixed, so every replica must take part: a
-        replica that is down fails the push (bring replicas back with `push_weights`, which works anywhere).
-        """
-        targets = self.serving()
-        if group.world_size != 1 + len(targets) * workers_per_replica:
-            raise ValueError(
-                f"group.world_size {group.world_size} != 1 + {len(targets)} replicas x {workers_per_replica}"
-            )
-        header = rollout_pb2.WeightHeader(
-            version=version,
-            sha256=manifest_digest(entries),
-            total_bytes=manifest_bytes(entries),
-            format=rollout_pb2.SAFETENSORS,
-        )
-        tensors = [rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries]
-        futures = []
-        for replica, offset in zip(targets, rank_offsets(len(targets), workers_per_replica), strict=True):
-            chunk = rollout_pb2.NcclBroadcast(
-                master_address=group.master_address,
-                master_port=group.master_port,
-                rank_offset=offset,
-                world_size=group.world_size,
-                tensors=tensors,
-            )
-            messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]
-            futures.append(self._pool.submit(replica.stub.UpdateWeights, iter(messages), timeout=self._timeout_s))
-        broadcast()
-        return [future.result() for future in futures]
-
-    def _push_all(self, targets: Sequence[Replica], messages) -> list[rollout_pb2.UpdateWeightsResponse]:
-        """Pushes to every target. A replica that is down is taken out of serving (the next check
-        brings it back once it answers and has been updated); every other error is raised."""
-        futures = [(r, self._pool.submit(r.stub.UpdateWeights, messages(), timeout=self._timeout_s)) for r in targets]
+    def _push_all(self, targets: Sequence[Replica], push: WeightPush) -> list[rollout_pb2.UpdateWeightsResponse]:
+        """Pushes to every target. A replica that is down is taken out of serving (the next check brings it
+        back once it answers and has been updated), unless the push needs them all; other errors are raised."""
+        calls = zip(targets, push.requests, strict=True)
+        futures = [(r, self._pool.submit(r.stub.UpdateWeights, m, timeout=self._timeout_s)) for r, m in calls]
+        push.after_start()
+        if push.all_replicas:
+            return [future.result() for _, future in futures]
         replies, down = [], []
         for replica, future in futures:
             try:
@@ -323,17 +256,3 @@ class RolloutClient:
                 raise RolloutError(f"no rollout replica took the weights: {[r.address for r in down]} are down")
             self._serving = [r for r in self.serving() if r not in down]
         return replies
-
-
-def stream_file(header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
-    yield rollout_pb2.WeightChunk(header=header)
-    with path.open("rb") as f:
-        while data := f.read(CHUNK_BYTES):
-            yield rollout_pb2.WeightChunk(data=data)
-
-
-def stream_payload(header: rollout_pb2.WeightHeader, payload: bytes) -> Iterator[rollout_pb2.WeightChunk]:
-    yield rollout_pb2.WeightChunk(header=header)
-    view = memoryview(payload)
-    for start in range(0, len(payload), CHUNK_BYTES):
-        yield rollout_pb2.WeightChunk(data=bytes(view[start : start + CHUNK_BYTES]))

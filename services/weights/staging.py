@@ -34,6 +34,13 @@ OWNER_PREFIX = "rlep-owner-"
 # An owner file is locked just after it is made: an unlocked one younger than this may be that moment.
 OWNER_GRACE_S = 60.0
 
+
+def default_staging_dir() -> str:
+    # Shared memory when there is some: payloads are written once and read once.
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else tempfile.gettempdir()
+
+
 _owners: dict[Path, str] = {}  # directory -> this process's owner token there (its locked file stays open)
 _owners_lock = threading.Lock()
 

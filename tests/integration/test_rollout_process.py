@@ -18,7 +18,7 @@ from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.main import ENGINE_FAILED_EXIT_CODE
 from tests.conftest import free_port
 from tests.integration.test_serve_cli import rlep_command, wait_serving
-from tests.unit.test_rollout_staging import MAKER
+from tests.unit.test_weights_staging import MAKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

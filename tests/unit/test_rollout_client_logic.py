@@ -1,14 +1,19 @@
-"""Pure logic of the rollout client and request checks: sharding, prompt kinds, unknown fields, failover."""
+"""Pure logic of the rollout client and request checks: sharding, prompt kinds, unknown fields, failover of
+generation and of weight pushes."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import grpc
 import pytest
+import torch
 
 from rlep.common.grpc_utils import unknown_field_paths
 from rlep.rollout.v1 import rollout_pb2
-from rlep.services.rollout.client import RolloutClient, prompt_to_proto, split_evenly
+from rlep.services.rollout.client import RolloutClient, RolloutError, prompt_to_proto, split_evenly
 from rlep.services.rollout.types import Sampling
+from rlep.services.weights.transport import WeightPush, WeightTransport
 
 
 @pytest.mark.parametrize(("count", "parts"), [(10, 3), (2, 5), (0, 2), (7, 1), (64, 4)])
@@ -65,3 +70,58 @@ def test_a_shard_whose_replica_is_down_goes_to_the_next_and_is_counted():
         assert (down.calls, up.calls, client.failovers) == (1, 1, 1)
     finally:
         client.close()
+
+
+class _WeightStub:
+    """A replica's UpdateWeights: reads the whole message stream, or is down."""
+
+    def __init__(self, up=True):
+        self.up, self.received = up, []
+
+    def UpdateWeights(self, messages, timeout=None):  # noqa: N802 - the gRPC stub's method name
+        if not self.up:
+            raise _Down()
+        self.received = list(messages)
+        return rollout_pb2.UpdateWeightsResponse(version=self.received[0].header.version)
+
+
+class _HeaderOnly(WeightTransport):
+    def __init__(self, all_replicas: bool):
+        self.all_replicas = all_replicas
+
+    @contextmanager
+    def prepare(self, weights, version, addresses):
+        header = rollout_pb2.WeightChunk(header=rollout_pb2.WeightHeader(version=version))
+        yield WeightPush([iter([header]) for _ in addresses], all_replicas=self.all_replicas)
+
+
+@pytest.fixture
+def two_replicas():
+    client = RolloutClient(["127.0.0.1:1", "127.0.0.1:2"], attempts=1)
+    yield client
+    client.close()
+
+
+def test_local_replicas_get_a_shared_file_by_default(two_replicas):
+    stubs = [_WeightStub(), _WeightStub()]
+    two_replicas.replicas[0].stub, two_replicas.replicas[1].stub = stubs
+    replies = two_replicas.push_weights({"w": torch.ones(2)}, 5)
+    assert [r.version for r in replies] == [5, 5]
+    assert all([m.WhichOneof("kind") for m in s.received] == ["header", "shared_file"] for s in stubs)
+
+
+def test_a_replica_down_during_a_push_leaves_serving_until_it_is_back(two_replicas):
+    down, up = two_replicas.replicas
+    down.stub, up.stub = _WeightStub(up=False), _WeightStub()
+    [reply] = two_replicas.push_weights({}, 3, transport=_HeaderOnly(all_replicas=False))
+    assert reply.version == 3 and two_replicas.serving() == [up]
+    up.stub.up = False
+    with pytest.raises(RolloutError, match="no rollout replica took the weights"):
+        two_replicas.push_weights({}, 4, transport=_HeaderOnly(all_replicas=False))
+
+
+def test_a_push_that_needs_every_replica_fails_when_one_is_down(two_replicas):
+    two_replicas.replicas[0].stub, two_replicas.replicas[1].stub = _WeightStub(up=False), _WeightStub()
+    with pytest.raises(grpc.RpcError):
+        two_replicas.push_weights({}, 3, transport=_HeaderOnly(all_replicas=True))
+    assert two_replicas.serving() == two_replicas.replicas

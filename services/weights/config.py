@@ -1,0 +1,54 @@
+"""How each step's new weights reach the rollout replicas (`weight_sync` of a training run): one variant per
+transport, told apart by the `transport` field; `setup_weight_transport` (transport.py) builds the transport.
+
+Here rather than in the learner's config because the factory that reads it sits in this layer, below the learner.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from rlep.common.config import StrictModel
+
+
+class AutoSyncConfig(StrictModel):
+    transport: Literal["auto"] = "auto"
+    """One shared-memory file when every replica is on this host, else safetensors streamed over gRPC."""
+
+
+class StreamSyncConfig(StrictModel):
+    transport: Literal["stream"] = "stream"
+    """The safetensors payload streamed over gRPC in chunks: reaches replicas on any host."""
+
+
+class SharedFileSyncConfig(StrictModel):
+    transport: Literal["shared_file"] = "shared_file"
+    """One safetensors file in this host's shared memory, named in the call: replicas on this host only."""
+
+
+class NcclSyncConfig(StrictModel):
+    transport: Literal["nccl"] = "nccl"
+    """GPU only, NOT exercised by CI: the learner's rank 0 broadcasts to every replica's workers (vLLM's RLHF
+    pattern; services/weights/nccl.py). Replicas that rejoin are brought up by `auto`."""
+    nccl_port: int = Field(29650, ge=1024, le=65000)
+    """First port of the NCCL group's store on the learner's rank 0 (a new group takes the next one)."""
+    workers_per_replica: int = Field(1, ge=1)
+    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the NCCL group."""
+
+
+def _transport_of(value: Any) -> str:
+    # A section that names no transport is `auto`, the default, as it was before the variants existed.
+    if isinstance(value, dict):
+        return value.get("transport", "auto")
+    return getattr(value, "transport", "auto")
+
+
+WeightSyncConfig = Annotated[
+    Annotated[AutoSyncConfig, Tag("auto")]
+    | Annotated[StreamSyncConfig, Tag("stream")]
+    | Annotated[SharedFileSyncConfig, Tag("shared_file")]
+    | Annotated[NcclSyncConfig, Tag("nccl")],
+    Discriminator(_transport_of),
+]

@@ -1,0 +1,213 @@
+"""Weight transports: how one version of the policy's weights becomes the `UpdateWeights` calls of a set of replicas.
+
+A `WeightTransport` turns the weights and a version into a `WeightPush`: one message stream per target replica
+and, for NCCL, the broadcast to run once those calls are started. The caller (`RolloutClient.push_weights`) owns
+the replicas, their stubs and what happens when one is down; a transport knows only addresses and messages.
+
+- `StreamTransport`: the safetensors payload in chunks over gRPC (replicas on any host).
+- `SharedFileTransport`: one payload file in this host's shared memory, named in the call (local replicas only).
+- `AutoTransport`: shared_file when every replica is on this host, else stream.
+- `NcclBroadcastTransport`: GPU only, NOT exercised by CI; the calls carry the manifest and the learner's
+  rank 0 broadcasts the tensors (services/weights/nccl.py).
+
+`setup_weight_transport` builds one from a training run's `weight_sync` config (config.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rlep.rollout.v1 import rollout_pb2
+from rlep.services.weights.config import (
+    AutoSyncConfig,
+    NcclSyncConfig,
+    SharedFileSyncConfig,
+    StreamSyncConfig,
+    WeightSyncConfig,
+)
+from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
+from rlep.services.weights.payload import TensorInfo, write_payload
+from rlep.services.weights.staging import PUSH_PREFIX, default_staging_dir, staged_file
+
+# Streamed payload slices: far below gRPC's message limit, large enough that per-message cost is negligible.
+CHUNK_BYTES = 4 * 1024 * 1024
+
+# The tensors to push (checkpoint names), or a function giving them. Transports that carry the tensors call it
+# once; the NCCL transport never does (its sender reads them on the learner's devices, so nothing is copied here).
+StateDictSource = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class WeightPush:
+    """One version's UpdateWeights calls, ready to start."""
+
+    requests: list[Iterator[rollout_pb2.WeightChunk]]
+    """The message stream of each target replica, in the targets' order."""
+    after_start: Callable[[], None] = lambda: None
+    """Runs once every call has started (NCCL: the learner's broadcast, which the workers receive inside them)."""
+    all_replicas: bool = False
+    """Every replica must take part (a fixed-size NCCL group): one that is down fails the push instead of being
+    left out until it is back."""
+
+
+class WeightTransport(ABC):
+    """How a push's weights travel; one instance serves every push of a run (NCCL keeps its groups in it)."""
+
+    @abstractmethod
+    def prepare(
+        self, weights: StateDictSource, version: int, addresses: Sequence[str]
+    ) -> AbstractContextManager[WeightPush]:
+        """The calls that bring the replicas at `addresses` to `version`; what they need lives until the block ends."""
+
+
+def read_state_dict(weights: StateDictSource) -> dict[str, torch.Tensor]:
+    return dict(weights() if callable(weights) else weights)
+
+
+class PayloadFileTransport(WeightTransport):
+    """A transport that writes the weights to one safetensors payload file in shared memory first."""
+
+    @contextmanager
+    def prepare(self, weights: StateDictSource, version: int, addresses: Sequence[str]) -> Iterator[WeightPush]:
+        # Locked while it exists, so a worker starting on this host removes it if this process dies first.
+        with staged_file(default_staging_dir(), PUSH_PREFIX) as (_, path):
+            digest = write_payload(read_state_dict(weights), path)
+            header = rollout_pb2.WeightHeader(
+                version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
+            )
+            yield WeightPush([self.messages(header, path) for _ in addresses])
+
+    @abstractmethod
+    def messages(self, header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
+        """One replica's message stream for the payload at `path`."""
+
+
+class StreamTransport(PayloadFileTransport):
+    def messages(self, header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
+        return stream_file(header, path)
+
+
+class SharedFileTransport(PayloadFileTransport):
+    def messages(self, header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
+        return iter(shared_file_messages(header, path))
+
+
+class AutoTransport(WeightTransport):
+    """shared_file when every replica is on this host, else stream."""
+
+    def resolve(self, addresses: Sequence[str]) -> PayloadFileTransport:
+        return SharedFileTransport() if all(is_local(a) for a in addresses) else StreamTransport()
+
+    def prepare(
+        self, weights: StateDictSource, version: int, addresses: Sequence[str]
+    ) -> AbstractContextManager[WeightPush]:
+        return self.resolve(addresses).prepare(weights, version, addresses)
+
+
+class BroadcastSender(Protocol):
+    """The learner's side of an NCCL push (its policy: rank 0 sends, every rank takes part)."""
+
+    def weight_manifest(self) -> list[tuple[str, TensorInfo]]: ...
+    def broadcast_weights(self, group: BroadcastGroup) -> None: ...
+    def broadcast_address(self) -> str: ...
+
+
+class NcclBroadcastTransport(WeightTransport):
+    """GPU only, NOT exercised by CI: every replica's workers receive the tensors from the learner's rank 0.
+
+    Each call carries the manifest (checked by the worker before it joins) and the replica's ranks in the group;
+    the broadcast then runs from `sender`. A group's size is fixed, so every replica must take part.
+    """
+
+    def __init__(self, sender: BroadcastSender, first_port: int, workers_per_replica: int = 1):
+        self.sender, self.first_port, self.workers_per_replica = sender, first_port, workers_per_replica
+        self._groups: dict[tuple[str, ...], BroadcastGroup] = {}
+        self._manifest: list[tuple[str, TensorInfo]] | None = None  # tensor names, dtypes, shapes (fixed for a run)
+
+    def group(self, addresses: Sequence[str]) -> BroadcastGroup:
+        """One group per set of replicas, each on its own port."""
+        key = tuple(addresses)
+        if key not in self._groups:
+            size = 1 + len(key) * self.workers_per_replica
+            port = self.first_port + len(self._groups)
+            self._groups[key] = BroadcastGroup(self.sender.broadcast_address(), port, size)
+        return self._groups[key]
+
+    @contextmanager
+    def prepare(self, weights: StateDictSource, version: int, addresses: Sequence[str]) -> Iterator[WeightPush]:
+        group = self.group(addresses)
+        self._manifest = self._manifest or self.sender.weight_manifest()
+        offsets = rank_offsets(len(addresses), self.workers_per_replica)
+        requests = [iter(broadcast_messages(version, self._manifest, group, offset)) for offset in offsets]
+        yield WeightPush(requests, after_start=lambda: self.sender.broadcast_weights(group), all_replicas=True)
+
+
+def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | None = None) -> WeightTransport:
+    """The transport `config` names; `sender` (the learner's policy) is needed by NCCL only."""
+    match config:
+        case AutoSyncConfig():
+            return AutoTransport()
+        case StreamSyncConfig():
+            return StreamTransport()
+        case SharedFileSyncConfig():
+            return SharedFileTransport()
+        case NcclSyncConfig() if sender is not None:
+            return NcclBroadcastTransport(sender, config.nccl_port, config.workers_per_replica)
+    raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
+
+
+def is_local(address: str) -> bool:
+    """Whether a `host:port` address is on this host (so it can read this host's shared memory)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return host in {socket.gethostbyname(socket.gethostname()), socket.getfqdn()}
+    except OSError:
+        return False
+
+
+def shared_file_messages(header: rollout_pb2.WeightHeader, path: str | Path) -> list[rollout_pb2.WeightChunk]:
+    return [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
+
+
+def stream_file(header: rollout_pb2.WeightHeader, path: Path) -> Iterator[rollout_pb2.WeightChunk]:
+    yield rollout_pb2.WeightChunk(header=header)
+    with path.open("rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield rollout_pb2.WeightChunk(data=data)
+
+
+def stream_payload(header: rollout_pb2.WeightHeader, payload: bytes) -> Iterator[rollout_pb2.WeightChunk]:
+    yield rollout_pb2.WeightChunk(header=header)
+    view = memoryview(payload)
+    for start in range(0, len(payload), CHUNK_BYTES):
+        yield rollout_pb2.WeightChunk(data=bytes(view[start : start + CHUNK_BYTES]))
+
+
+def broadcast_messages(
+    version: int, entries: Sequence[tuple[str, TensorInfo]], group: BroadcastGroup, rank_offset: int
+) -> list[rollout_pb2.WeightChunk]:
+    """One replica's call of an NCCL push: the header (manifest digest and size), then its place in `group`."""
+    header = rollout_pb2.WeightHeader(
+        version=version,
+        sha256=manifest_digest(entries),
+        total_bytes=manifest_bytes(entries),
+        format=rollout_pb2.SAFETENSORS,
+    )
+    chunk = rollout_pb2.NcclBroadcast(
+        master_address=group.master_address,
+        master_port=group.master_port,
+        rank_offset=rank_offset,
+        world_size=group.world_size,
+        tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries],
+    )
+    return [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]

@@ -1,0 +1,137 @@
+"""Weight transports: the `weight_sync` variants, which transport each builds, and the calls each prepares."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import TypeAdapter, ValidationError
+
+from rlep.common.config import CONFIG_DIR, load_config
+from rlep.services.learner.config import TrainConfig
+from rlep.services.weights.config import NcclSyncConfig, WeightSyncConfig
+from rlep.services.weights.nccl import BroadcastGroup, manifest, manifest_digest
+from rlep.services.weights.payload import read_header
+from rlep.services.weights.transport import (
+    AutoTransport,
+    NcclBroadcastTransport,
+    SharedFileTransport,
+    StreamTransport,
+    setup_weight_transport,
+)
+
+SYNC = TypeAdapter(WeightSyncConfig)
+STATE = {"embed.weight": torch.arange(12.0).reshape(3, 4), "norm.weight": torch.ones(4)}
+
+
+@pytest.mark.parametrize(
+    ("section", "transport"),
+    [
+        ({}, AutoTransport),  # no transport named: auto, the default
+        ({"transport": "auto"}, AutoTransport),
+        ({"transport": "stream"}, StreamTransport),
+        ({"transport": "shared_file"}, SharedFileTransport),
+    ],
+)
+def test_each_variant_builds_its_transport(section, transport):
+    assert type(setup_weight_transport(SYNC.validate_python(section))) is transport
+
+
+def test_nccl_fields_belong_to_the_nccl_variant_only():
+    nccl = SYNC.validate_python({"transport": "nccl", "nccl_port": 29700, "workers_per_replica": 2})
+    assert nccl == NcclSyncConfig(nccl_port=29700, workers_per_replica=2)
+    for transport in ("stream", "auto"):
+        with pytest.raises(ValidationError, match="nccl_port"):
+            SYNC.validate_python({"transport": transport, "nccl_port": 29700})
+    with pytest.raises(ValidationError, match="'auto', 'stream', 'shared_file', 'nccl'"):
+        SYNC.validate_python({"transport": "carrier_pigeon"})
+
+
+def test_a_train_config_reads_the_variant_from_yaml_and_overrides():
+    recipe = load_config(TrainConfig, CONFIG_DIR / "recipes" / "rlep.yaml")
+    assert recipe.weight_sync == NcclSyncConfig()
+    assert load_config(TrainConfig, overrides={"weight_sync.transport": "stream"}).weight_sync.transport == "stream"
+    assert TrainConfig().weight_sync.transport == "auto"
+
+
+def test_nccl_needs_the_learners_sender():
+    with pytest.raises(ValueError, match="needs the learner's policy"):
+        setup_weight_transport(NcclSyncConfig())
+
+
+@pytest.mark.parametrize(
+    ("addresses", "chosen"),
+    [
+        (["127.0.0.1:50063", "localhost:50064", "[::1]:50065"], SharedFileTransport),
+        (["127.0.0.1:50063", "rollout-1.rollout.svc.cluster.local:50063"], StreamTransport),
+    ],
+)
+def test_auto_uses_shared_memory_only_when_every_replica_is_local(addresses, chosen):
+    assert type(AutoTransport().resolve(addresses)) is chosen
+
+
+def test_a_stream_push_carries_the_payload_that_its_header_describes():
+    with StreamTransport().prepare(STATE, 7, ["a:1", "b:2"]) as push:
+        streams = [list(messages) for messages in push.requests]
+    assert len(streams) == 2 and not push.all_replicas
+    for header, *chunks in streams:
+        payload = b"".join(c.data for c in chunks)
+        assert header.header.version == 7 and header.header.total_bytes == len(payload)
+        assert header.header.sha256 == hashlib.sha256(payload).hexdigest()
+
+
+def test_a_shared_file_push_names_a_file_that_lives_as_long_as_the_push():
+    with SharedFileTransport().prepare(lambda: STATE, 3, ["a:1"]) as push:
+        [[header, named]] = [list(messages) for messages in push.requests]
+        path = named.shared_file
+        assert header.header.version == 3 and set(read_header(Path(path))) == set(STATE)
+    assert not os.path.exists(path)
+
+
+class RecordingSender:
+    """The learner's side of an NCCL push, without GPUs: records what it was asked."""
+
+    def __init__(self):
+        self.manifests, self.broadcasts = 0, []
+
+    def weight_manifest(self):
+        self.manifests += 1
+        return manifest(STATE)
+
+    def broadcast_weights(self, group):
+        self.broadcasts.append(group)
+
+    def broadcast_address(self):
+        return "10.0.0.5"
+
+
+def test_nccl_calls_carry_the_manifest_and_each_replicas_ranks():
+    sender = RecordingSender()
+    transport = NcclBroadcastTransport(sender, first_port=29650, workers_per_replica=2)
+
+    def unread():
+        raise AssertionError("the NCCL transport must not read the state dict")
+
+    with transport.prepare(unread, 4, ["a:1", "b:2"]) as push:
+        calls = [list(messages) for messages in push.requests]
+    assert push.all_replicas
+    group = BroadcastGroup("10.0.0.5", 29650, world_size=5)
+    for (header, chunk), offset in zip(calls, [1, 3], strict=True):
+        assert header.header.version == 4 and header.header.sha256 == manifest_digest(manifest(STATE))
+        nccl = chunk.nccl_broadcast
+        assert (nccl.master_address, nccl.master_port, nccl.world_size) == ("10.0.0.5", 29650, 5)
+        assert nccl.rank_offset == offset
+        assert [t.name for t in nccl.tensors] == list(STATE)
+    assert sender.broadcasts == []  # the broadcast waits until the calls are started
+    push.after_start()
+    assert sender.broadcasts == [group]
+
+    # Same replicas: same group; another set of replicas: a new group on the next port. The manifest is read once.
+    assert transport.group(["a:1", "b:2"]) == group
+    assert transport.group(["a:1"]) == BroadcastGroup("10.0.0.5", 29651, world_size=3)
+    with transport.prepare(unread, 5, ["a:1"]):
+        pass
+    assert sender.manifests == 1
