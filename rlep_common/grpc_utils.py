@@ -2,8 +2,9 @@
 
 Every server gets the same things: health checking (`grpc.health.v1`), reflection, an optional
 bearer token on every RPC (rule: `rlep.common.auth.check_bearer`), optional TLS (`rlep.common.tls`),
-and a bound on message size. Health checks are exempt from auth because Kubernetes' gRPC probes
-cannot send headers; they reveal nothing but "SERVING".
+a bound on message size, and a count of its calls by method and final status code. Health checks
+are exempt from auth because Kubernetes' gRPC probes cannot send headers; they reveal nothing but
+"SERVING".
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter
 
 from rlep.common.auth import check_bearer, grpc_authorization_values
 from rlep.common.config import ServerConfig
@@ -35,6 +37,13 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
 # gRPC refuses messages beyond its own limit with RESOURCE_EXHAUSTED before our handler runs;
 # the channel limit sits above the service's limit so our INVALID_ARGUMENT message is what users see.
 CHANNEL_LIMIT_FACTOR = 2
+# gRPC's handler factory for each (request streaming, response streaming) shape.
+HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
@@ -57,13 +66,75 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: deny(None, ctx))
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        return HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)](deny)
+
+
+class StatusCountInterceptor(grpc.ServerInterceptor):
+    """Counts every call to one service into `counter`, labelled `(method, code)` or, with
+    `by_method=False`, `(code,)`, where `code` is the call's final status name ("OK", "INVALID_ARGUMENT").
+
+    The code is what the handler set (`context.abort` / `set_code`), UNKNOWN for an exception it let
+    escape, CANCELLED or DEADLINE_EXCEEDED for a call whose caller had gone by the end, else OK. A
+    streaming response is counted when its stream ends. Installed after the auth check, so refused
+    callers are not counted, and before parsing, so malformed requests are.
+    """
+
+    def __init__(self, counter: Counter, service: str, by_method: bool = True):
+        self._counter, self._prefix, self._by_method = counter, f"/{service}/", by_method
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self._prefix):
+            return handler
+        method = handler_call_details.method[len(self._prefix) :]
+
+        def count(code: grpc.StatusCode) -> None:
+            labels = (method, code.name) if self._by_method else (code.name,)
+            self._counter.labels(*labels).inc()
+
+        behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        counted = _counted_stream(behaviour, count) if handler.response_streaming else _counted_unary(behaviour, count)
+        return HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)](
+            counted, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def _final_code(context: grpc.ServicerContext, otherwise: grpc.StatusCode) -> grpc.StatusCode:
+    if (code := context.code()) is not None:
+        return code
+    if not context.is_active():  # nobody received the answer
+        remaining = context.time_remaining()
+        gone_by_deadline = remaining is not None and remaining <= 0
+        return grpc.StatusCode.DEADLINE_EXCEEDED if gone_by_deadline else grpc.StatusCode.CANCELLED
+    return otherwise
+
+
+def _counted_unary(behaviour: Callable, count: Callable[[grpc.StatusCode], None]) -> Callable:
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            response = behaviour(request, context)
+        except Exception:
+            count(context.code() or grpc.StatusCode.UNKNOWN)
+            raise
+        count(_final_code(context, grpc.StatusCode.OK))
+        return response
+
+    return handler
+
+
+def _counted_stream(behaviour: Callable, count: Callable[[grpc.StatusCode], None]) -> Callable:
+    def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from behaviour(request, context)
+        except GeneratorExit:  # gRPC stopped reading the stream: the caller went away
+            count(_final_code(context, grpc.StatusCode.CANCELLED))
+            raise
+        except Exception:
+            count(context.code() or grpc.StatusCode.UNKNOWN)
+            raise
+        count(_final_code(context, grpc.StatusCode.OK))
+
+    return handler
 
 
 def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
@@ -82,12 +153,7 @@ def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, serv
             wrapped = _parse_stream(behaviour, request_cls)
         else:
             wrapped = _parse_unary(behaviour, request_cls)
-        kind = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(method.client_streaming, method.server_streaming)]
+        kind = HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(wrapped, response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
@@ -114,11 +180,15 @@ def _parse_stream(behaviour: Callable, request_cls: type) -> Callable:
 
 
 def build_server(
-    config: ServerConfig, register: Callable[[grpc.Server], None], service_names: Iterable[str]
+    config: ServerConfig,
+    register: Callable[[grpc.Server], None],
+    service_names: Iterable[str],
+    interceptors: Iterable[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Creates, binds and starts a server. Returns `(server, bound_port, health_servicer)`."""
+    """Creates, binds and starts a server; `interceptors` run after the auth check.
+    Returns `(server, bound_port, health_servicer)`."""
     token = config.read_auth_token()
-    interceptors = [BearerAuthInterceptor(token)] if token else []
+    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors]
     limit = config.max_request_bytes * CHANNEL_LIMIT_FACTOR
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),

@@ -1,15 +1,29 @@
-"""What every service's main does around its own wiring: the metrics endpoint and waiting for a stop."""
+"""What every service's main does around its own wiring: starting its gRPC server with the shared
+interceptors and the metrics endpoint, stopping them in order, and waiting for a stop signal.
+
+A service's `Running*` handle is a `RunningService` subclass that adds the parts only it holds (a
+worker pool, a store, an engine) and releases them in `close()`, after its servers have stopped.
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry, Counter
 
 from rlep.common.config import ServerConfig
+from rlep.common.grpc_utils import StatusCountInterceptor, add_validated_servicer, build_server
 from rlep.common.metrics import MetricsServer
 from rlep.common.tls import server_ssl_context
+
+# Seconds in-flight RPCs get to finish when a service stops.
+STOP_GRACE_S = 2.0
 
 
 def start_metrics(registry: CollectorRegistry, config: ServerConfig) -> MetricsServer | None:
@@ -21,9 +35,76 @@ def start_metrics(registry: CollectorRegistry, config: ServerConfig) -> MetricsS
     )
 
 
-def wait_for_stop_signal() -> None:
-    """Blocks until SIGINT or SIGTERM (Ctrl-C, `kill`, Kubernetes shutting the pod down)."""
+@dataclass(kw_only=True)
+class RunningService:
+    """A started gRPC service; `stop()` shuts the server, the metrics endpoint, then the service's own parts down."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    metrics_server: MetricsServer | None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server else None
+
+    def close(self) -> None:
+        """Releases what the service holds besides its servers; runs once they have stopped."""
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.health.enter_graceful_shutdown()  # probes and load balancers stop sending work first
+        self.server.stop(grace_s).wait()  # calls still running then are cancelled
+        if self.metrics_server:
+            self.metrics_server.stop()
+        self.close()
+
+
+RunningT = TypeVar("RunningT", bound=RunningService)
+
+
+def start_service(
+    running_cls: type[RunningT],
+    config: ServerConfig,
+    service: ServiceDescriptor,
+    servicer: object,
+    registry: CollectorRegistry,
+    requests: Counter,
+    /,
+    by_method: bool = True,
+    **parts: Any,
+) -> RunningT:
+    """Serves `servicer` for `service` with every call counted into `requests` (labels `method, code`, or
+    `code` alone when `by_method` is False) and `registry` on the metrics port.
+    Returns `running_cls(..., **parts)`; `parts` are the subclass's own fields."""
+    server, port, health_servicer = build_server(
+        config,
+        lambda s: add_validated_servicer(s, service, servicer),
+        [service.full_name],
+        [StatusCountInterceptor(requests, service.full_name, by_method)],
+    )
+    metrics_server = start_metrics(registry, config)
+    return running_cls(server=server, port=port, health=health_servicer, metrics_server=metrics_server, **parts)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_on_signal() -> threading.Event:
+    """An event set by SIGINT or SIGTERM (Ctrl-C, `kill`, Kubernetes shutting the pod down)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
+
+
+def wait_for_stop_signal() -> None:
+    """Blocks until SIGINT or SIGTERM."""
+    stop_on_signal().wait()
+
+
+def serve_until_signal(running: Stoppable, banner: str) -> None:
+    """Prints `banner` (the line scripts and tests wait for), then runs until SIGINT/SIGTERM and stops `running`."""
+    print(banner, flush=True)
+    wait_for_stop_signal()
+    running.stop()

@@ -1,5 +1,5 @@
 """Prometheus endpoint shared by every service: `/metrics` (optionally behind a bearer token, optionally TLS)
-and `/healthz`.
+and `/healthz`; and `MetricFactory`, how a service declares its series.
 
 Each service owns a `CollectorRegistry` (no global state, so several services can live in one
 process, as in tests) and serves it from a background thread. The HTTP server answers each
@@ -17,10 +17,11 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
@@ -63,6 +64,30 @@ class ServiceRegistry(CollectorRegistry):
 def service_registry(service: str) -> CollectorRegistry:
     """The registry a service's metrics live in (one per service; no global state)."""
     return ServiceRegistry(service)
+
+
+class MetricFactory:
+    """Declares a service's series in its registry, one call per series."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def counter(
+        self, name: str, documentation: str, labels: Sequence[str] = (), zero: Iterable[str | tuple[str, ...]] = ()
+    ) -> Counter:
+        """`zero`: label values exported at 0 before the first event, so rate() and increase() see that event."""
+        counter = Counter(name, documentation, labels, registry=self._registry)
+        for values in zero:
+            counter.labels(*((values,) if isinstance(values, str) else values))
+        return counter
+
+    def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self._registry)
+
+    def histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        return Histogram(name, documentation, labels, registry=self._registry, buckets=buckets)
 
 
 class _RequestTooLarge(Exception):

@@ -31,6 +31,7 @@ from enum import StrEnum
 import numpy as np
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+MAX_QUESTION_ID_CHARS = 256
 
 
 class Strategy(StrEnum):
@@ -48,6 +49,21 @@ class Eviction(StrEnum):
 def check_pool_name(pool: str) -> None:
     if not POOL_NAME.match(pool):
         raise ValueError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
+
+
+def question_id_problem(qid: str) -> str | None:
+    """Why `qid` cannot name a question (in a trajectory, a question or a request), or None."""
+    if not qid:
+        return "missing question_id"
+    if len(qid) > MAX_QUESTION_ID_CHARS:
+        return f"question_id longer than {MAX_QUESTION_ID_CHARS} characters"
+    return None
+
+
+def check_question_id(qid: str, where: str) -> None:
+    """ValueError naming `where` (e.g. "question_ids[3]") when `question_id_problem` finds a problem."""
+    if problem := question_id_problem(qid):
+        raise ValueError(f"{where}: {problem}")
 
 
 def _question_digest(seed: int, question_id: str) -> int:

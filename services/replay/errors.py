@@ -69,42 +69,31 @@ class RedisHealth:
 
 @contextlib.contextmanager
 def status_for_errors(
-    requests: Counter,
-    redis_errors: Counter,
-    health: RedisHealth,
-    context: grpc.ServicerContext,
-    method: str,
-    wrote: bool = False,
+    redis_errors: Counter, health: RedisHealth, context: grpc.ServicerContext, wrote: bool = False
 ) -> Iterator[None]:
-    """Maps store errors to gRPC codes and counts every call by method and status."""
-    code = grpc.StatusCode.OK
+    """Maps store and Redis errors to gRPC codes (the server's interceptor counts each call's code)."""
     try:
         yield
         health.succeeded(wrote)
     except PoolNotFound as err:
-        code = grpc.StatusCode.NOT_FOUND
-        context.abort(code, f"unknown pool {err.args[0]!r}")
+        context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {err.args[0]!r}")
     except LimitExceeded as err:
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
-        context.abort(code, str(err))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
     except CallAbandoned as err:
-        code = err.code
-        context.abort(code, f"stopped: the caller is gone ({err.code.name})")
+        context.abort(err.code, f"stopped: the caller is gone ({err.code.name})")
     except redis.OutOfMemoryError as err:
         redis_errors.inc()
         health.failed(OUT_OF_MEMORY, str(err))
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
         context.abort(
-            code,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
             "Redis is out of memory (maxmemory reached, nothing evicted): nothing was stored; "
             "drop a pool or give Redis more memory",
         )
     except (redis.ConnectionError, redis.TimeoutError) as err:
         redis_errors.inc()
         health.failed(UNREACHABLE, f"{type(err).__name__}: {err}")
-        code = grpc.StatusCode.UNAVAILABLE
         context.abort(
-            code,
+            grpc.StatusCode.UNAVAILABLE,
             f"Redis unavailable ({type(err).__name__}); the call may or may not have taken effect. "
             "Retrying is safe: adds are idempotent",
         )
@@ -112,13 +101,8 @@ def status_for_errors(
         redis_errors.inc()
         busy = str(err).startswith("BUSY")
         health.failed("busy" if busy else "error", str(err))
-        code = grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.INTERNAL
-        context.abort(code, f"Redis answered an error: {err}")
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.INTERNAL, f"Redis answered an error: {err}"
+        )
     except ValueError as err:
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        context.abort(code, str(err))
-    except Exception:
-        code = context.code() or grpc.StatusCode.UNKNOWN
-        raise
-    finally:
-        requests.labels(method, code.name).inc()
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -4,35 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import redis
 
-from rlep.common.grpc_utils import add_validated_servicer, build_server
-from rlep.common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep.common.metrics import MetricsServer, service_registry
+from rlep.common.lifecycle import RunningService, serve_until_signal, start_service
+from rlep.common.metrics import service_registry
 from rlep.common.redis_server import LocalRedis, start_local_redis
 from rlep.services.replay.config import ReplayConfig
 from rlep.services.replay.server import SERVICE, ReplayMetrics, ReplayServicer
 from rlep.services.replay.store import RedisReplayStore
 
 
-@dataclass
-class RunningReplay:
-    server: grpc.Server
-    port: int
+@dataclass(kw_only=True)
+class RunningReplay(RunningService):
+    """A started replay service; its Redis connection (and a self-started Redis) close after the server."""
+
     store: RedisReplayStore
     servicer: ReplayServicer
-    metrics_server: MetricsServer | None
     local_redis: LocalRedis | None
 
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics_server.port if self.metrics_server else None
-
-    def stop(self, grace_s: float = 2.0) -> None:
-        self.server.stop(grace_s).wait()
-        if self.metrics_server:
-            self.metrics_server.stop()
+    def close(self) -> None:
         self.store.client.close()
         if self.local_redis:
             self.local_redis.stop()
@@ -50,20 +40,24 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
     client.ping()
     store = RedisReplayStore(client, config.capacity_per_question, config.eviction)
     registry = service_registry("replay")
-    servicer = ReplayServicer(store, config, ReplayMetrics(registry))
-    server, port, _ = build_server(
-        config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
+    metrics = ReplayMetrics(registry)
+    servicer = ReplayServicer(store, config, metrics)
+    return start_service(
+        RunningReplay,
+        config.server,
+        SERVICE,
+        servicer,
+        registry,
+        metrics.requests,
+        store=store,
+        servicer=servicer,
+        local_redis=local,
     )
-    metrics_server = start_metrics(registry, config.server)
-    return RunningReplay(server, port, store, servicer, metrics_server, local)
 
 
 def serve_forever(config: ReplayConfig) -> None:
     running = start_replay(config)
     where = running.local_redis.url if running.local_redis else "configured Redis"
-    print(
-        f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}",
-        flush=True,
+    serve_until_signal(
+        running, f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}"
     )
-    wait_for_stop_signal()
-    running.stop()

@@ -21,14 +21,15 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from rlep.common.grpc_utils import check_request_size
+from rlep.common.metrics import MetricFactory
 from rlep.common.types import trajectory_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.config import ReplayConfig
-from rlep.services.replay.core import Strategy, check_pool_name
+from rlep.services.replay.core import Strategy, check_pool_name, check_question_id, question_id_problem
 from rlep.services.replay.errors import RedisHealth, keep_going_check, status_for_errors
 from rlep.services.replay.store import LimitExceeded, RedisReplayStore, SampleBudget, StoredTrajectory, now_ms
 
@@ -40,7 +41,6 @@ STRATEGIES = {
     replay_pb2.PRIORITIZED: Strategy.PRIORITIZED,
     replay_pb2.DIVERSE: Strategy.DIVERSE,
 }
-MAX_QUESTION_ID_CHARS = 256
 MAX_FINGERPRINT_CHARS = 64
 # An export chunk holds at most this many questions, and is cut earlier past EXPORT_CHUNK_BYTES
 # so it stays well under gRPC's message limit.
@@ -49,36 +49,31 @@ EXPORT_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class ReplayMetrics:
+    """The replay service's Prometheus series (`rlep_replay_*`)."""
+
     def __init__(self, registry: CollectorRegistry):
-        self.adds = Counter(
+        m = MetricFactory(registry)
+        self.adds = m.counter(
             "rlep_replay_trajectories_added_total",
             "Trajectories offered to AddTrajectories, by outcome",
             ["outcome"],
-            registry=registry,
+            ("added", "duplicate", "rejected", "evicted"),
         )
-        for outcome in ("added", "duplicate", "rejected", "evicted"):
-            self.adds.labels(outcome)
-        self.sample_seconds = Histogram(
+        self.sample_seconds = m.histogram(
             "rlep_replay_sample_seconds",
             "Latency of a Sample call",
-            registry=registry,
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
-        self.sampled = Counter(
-            "rlep_replay_sampled_trajectories_total", "Trajectories returned by Sample", registry=registry
+        self.sampled = m.counter("rlep_replay_sampled_trajectories_total", "Trajectories returned by Sample")
+        self.redis_errors = m.counter("rlep_replay_redis_errors_total", "Redis calls that failed")
+        self.pool_trajectories = m.gauge(
+            "rlep_replay_pool_trajectories", "Trajectories stored, per pool (at last stats)", ["pool"]
         )
-        self.redis_errors = Counter("rlep_replay_redis_errors_total", "Redis calls that failed", registry=registry)
-        self.pool_trajectories = Gauge(
-            "rlep_replay_pool_trajectories",
-            "Trajectories stored, per pool (at last stats)",
-            ["pool"],
-            registry=registry,
+        self.pool_questions = m.gauge(
+            "rlep_replay_pool_questions", "Questions covered, per pool (at last stats)", ["pool"]
         )
-        self.pool_questions = Gauge(
-            "rlep_replay_pool_questions", "Questions covered, per pool (at last stats)", ["pool"], registry=registry
-        )
-        self.requests = Counter(
-            "rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"], registry=registry
+        self.requests = m.counter(  # counted by the server's StatusCountInterceptor
+            "rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"]
         )
 
 
@@ -88,7 +83,7 @@ def rpc(wrote: bool = False):
     def decorate(method):
         @functools.wraps(method)
         def wrapper(self, request, context):
-            with self._errors(context, method.__name__, wrote):
+            with self._errors(context, wrote):
                 return method(self, request, context)
 
         return wrapper
@@ -96,28 +91,18 @@ def rpc(wrote: bool = False):
     return decorate
 
 
-def _check_question_id(qid: str, where: str) -> None:
-    if not qid:
-        raise ValueError(f"{where}: empty question id")
-    if len(qid) > MAX_QUESTION_ID_CHARS:
-        raise ValueError(f"{where}: question id longer than {MAX_QUESTION_ID_CHARS} characters")
-
-
 class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
     def __init__(self, store: RedisReplayStore, config: ReplayConfig, metrics: ReplayMetrics):
         self.store, self.config, self.metrics = store, config, metrics
         self.redis_health = RedisHealth()
 
-    def _errors(self, context: grpc.ServicerContext, method: str, wrote: bool = False):
-        metrics = self.metrics
-        return status_for_errors(metrics.requests, metrics.redis_errors, self.redis_health, context, method, wrote)
+    def _errors(self, context: grpc.ServicerContext, wrote: bool = False):
+        return status_for_errors(self.metrics.redis_errors, self.redis_health, context, wrote)
 
     def _validate(self, traj: trajectory_pb2.Trajectory) -> str | None:
         """Why a trajectory cannot be stored, or None."""
-        if not traj.question_id:
-            return "missing question_id"
-        if len(traj.question_id) > MAX_QUESTION_ID_CHARS:
-            return f"question_id longer than {MAX_QUESTION_ID_CHARS} characters"
+        if problem := question_id_problem(traj.question_id):
+            return problem
         if not traj.response_text:
             return "missing response_text"
         if traj.verdict not in trajectory_pb2.Verdict.values():
@@ -142,7 +127,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         if len(questions) > self.config.max_trajectories_per_add:
             raise ValueError(f"{len(questions)} questions in one call, over {self.config.max_trajectories_per_add}")
         for index, question in enumerate(questions):
-            _check_question_id(question.question_id, f"questions[{index}]")
+            check_question_id(question.question_id, f"questions[{index}]")
             if question.ByteSize() > self.config.max_question_bytes:
                 raise ValueError(
                     f"questions[{index}] is {question.ByteSize()} bytes, over max_question_bytes "
@@ -205,7 +190,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         if request.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {request.strategy}")
         for index, qid in enumerate(request.question_ids):
-            _check_question_id(qid, f"question_ids[{index}]")
+            check_question_id(qid, f"question_ids[{index}]")
         asked = len(request.question_ids) * request.m
         if asked > self.config.max_sample_trajectories:
             raise LimitExceeded(
@@ -255,7 +240,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         for update in request.updates:
             if not update.priority > 0 or not math.isfinite(update.priority):
                 raise ValueError(f"priority must be finite and > 0, got {update.priority} for {update.question_id!r}")
-            _check_question_id(update.question_id, "updates")
+            check_question_id(update.question_id, "updates")
         updated, missing = self.store.update_priorities(
             request.pool,
             [(u.question_id, u.trajectory_id, u.priority) for u in request.updates],
@@ -311,7 +296,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
 
     def ExportPool(self, request, context) -> Iterator[replay_pb2.PoolChunk]:
         # A generator: errors surface while the stream is consumed, so the mapping wraps the loop.
-        with self._errors(context, "ExportPool"):
+        with self._errors(context):
             check_pool_name(request.pool)
             if not 0 <= request.questions_per_chunk <= MAX_QUESTIONS_PER_CHUNK:
                 raise ValueError(

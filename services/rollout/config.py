@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from rlep.common.config import ServerConfig, StrictModel
+from rlep.services.weights.staging import default_staging_dir
 
 DEFAULT_PORT = 50063
-
-
-def default_staging_dir() -> str:
-    # Shared memory when there is some: payloads are written once and read once.
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() else tempfile.gettempdir()
 
 
 class EngineConfig(StrictModel):

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health
 
-from rlep.common.grpc_utils import add_validated_servicer, build_server
-from rlep.common.lifecycle import start_metrics
-from rlep.common.metrics import MetricsServer, service_registry
-from rlep.services.rollout.config import RolloutConfig, default_staging_dir
+from rlep.common.lifecycle import RunningService, start_service, stop_on_signal
+from rlep.common.metrics import service_registry
+from rlep.services.rollout.config import RolloutConfig
 from rlep.services.rollout.engine import RolloutEngine
 from rlep.services.rollout.server import SERVICE, RolloutMetrics, RolloutServicer
-from rlep.services.weights.staging import sweep_stale
+from rlep.services.weights.staging import default_staging_dir, sweep_stale
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +73,19 @@ class EngineWatchdog:
         self._stop.set()
 
 
-@dataclass
-class RunningRollout:
-    """A started worker; `stop()` shuts the server, the metrics endpoint and the engine down."""
+@dataclass(kw_only=True)
+class RunningRollout(RunningService):
+    """A started worker; its engine stops after the server (its watchdog before anything)."""
 
-    server: grpc.Server
-    port: int
     engine: RolloutEngine
-    metrics_server: MetricsServer | None
-    health: health.HealthServicer
-    watchdog: EngineWatchdog
+    watchdog: EngineWatchdog = field(init=False)  # watches the engine once the health service exists
 
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics_server.port if self.metrics_server else None
+    def close(self) -> None:
+        self.engine.close()  # aborts any batch at its next step and releases whoever still waits
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        self.watchdog.stop()
-        self.health.enter_graceful_shutdown()  # probes and load balancers stop sending work first
-        self.server.stop(grace_s).wait()  # calls still running then are cancelled: their requests get aborted
-        self.engine.close()  # aborts any batch at its next step and releases whoever still waits
-        if self.metrics_server:
-            self.metrics_server.stop()
+        self.watchdog.stop()  # stopping the engine below is no failure to report
+        super().stop(grace_s)  # calls still running after the grace are cancelled: their requests get aborted
 
 
 def start_rollout(config: RolloutConfig, on_failure: Callable[[str], None] | None = None) -> RunningRollout:
@@ -109,22 +97,19 @@ def start_rollout(config: RolloutConfig, on_failure: Callable[[str], None] | Non
     engine = RolloutEngine(config.engine, config.initial_version, config.max_batch_prompts)
     try:
         servicer = RolloutServicer(engine, config, metrics)
-        server, port, health_servicer = build_server(
-            config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
+        running = start_service(
+            RunningRollout, config.server, SERVICE, servicer, registry, metrics.requests, engine=engine
         )
-        metrics_server = start_metrics(registry, config.server)
     except BaseException:
         engine.close()
         raise
-    watchdog = EngineWatchdog(lambda: engine.failure, engine.fail_waiting, health_servicer, on_failure)
-    return RunningRollout(server, port, engine, metrics_server, health_servicer, watchdog)
+    running.watchdog = EngineWatchdog(lambda: engine.failure, engine.fail_waiting, running.health, on_failure)
+    return running
 
 
 def serve_forever(config: RolloutConfig) -> None:
     """Runs until SIGINT/SIGTERM (exit 0) or until the engine dies (exit ENGINE_FAILED_EXIT_CODE)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signal()
     running = start_rollout(config, on_failure=lambda _: stop.set())
     print(
         f"rollout listening on {config.server.host}:{running.port} metrics={running.metrics_port}"

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from rlep.common.config import load_config
 from rlep.services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def build_app(config: RolloutConfig, num_replicas: int = 1, app_name: str = "rle
 def app_builder(args: dict[str, Any]):
     """Entry point for `serve deploy` / `serve run`: args = {config: {...}, num_replicas, app_name, num_cpus}."""
     return build_app(
-        RolloutConfig.model_validate(args.get("config", {})),
+        load_config(RolloutConfig, args.get("config", {}), env_prefix="rollout"),
         num_replicas=int(args.get("num_replicas", 1)),
         app_name=str(args.get("app_name", "rlep-rollout")),
         num_cpus=float(args.get("num_cpus", 1.0)),

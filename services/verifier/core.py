@@ -87,6 +87,11 @@ def _parse_gold(ground_truth: str, timeout_s: float) -> tuple:
     return ()
 
 
+def clear_gold_cache() -> None:
+    """Forgets parsed gold answers (each worker parses a gold answer once; benchmarks time cold parses)."""
+    _parse_gold.cache_clear()
+
+
 def check_answer(response: str, ground_truth: str, options: CheckOptions = CheckOptions()) -> CheckResult:
     """Decides one response. Never raises for bad input: every outcome is a verdict."""
     from math_verify import parse, verify

@@ -5,11 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import grpc
-
-from rlep.common.grpc_utils import add_validated_servicer, build_server
-from rlep.common.lifecycle import start_metrics, wait_for_stop_signal
-from rlep.common.metrics import MetricsServer, service_registry
+from rlep.common.lifecycle import RunningService, serve_until_signal, start_service
+from rlep.common.metrics import service_registry
 from rlep.services.verifier.config import VerifierConfig
 from rlep.services.verifier.core import CheckOptions
 from rlep.services.verifier.pool import VerifyPool
@@ -18,23 +15,13 @@ from rlep.services.verifier.server import SERVICE, VerifierMetrics, VerifierServ
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunningVerifier:
-    """A started verifier; `stop()` shuts the server, the metrics endpoint and the workers down."""
+@dataclass(kw_only=True)
+class RunningVerifier(RunningService):
+    """A started verifier; its worker processes stop after the server."""
 
-    server: grpc.Server
-    port: int
     pool: VerifyPool
-    metrics_server: MetricsServer | None
 
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics_server.port if self.metrics_server else None
-
-    def stop(self, grace_s: float = 2.0) -> None:
-        self.server.stop(grace_s).wait()
-        if self.metrics_server:
-            self.metrics_server.stop()
+    def close(self) -> None:
         self.pool.close()
 
 
@@ -51,21 +38,17 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
     )
     metrics.workers.set(config.num_workers)
     servicer = VerifierServicer(pool, config, metrics)
-    server, port, _ = build_server(
-        config.server, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name]
+    return start_service(
+        RunningVerifier, config.server, SERVICE, servicer, registry, metrics.requests, by_method=False, pool=pool
     )
-    metrics_server = start_metrics(registry, config.server)
-    return RunningVerifier(server, port, pool, metrics_server)
 
 
 def serve_forever(config: VerifierConfig) -> None:
     """Runs until SIGINT/SIGTERM."""
     running = start_verifier(config)
     log.info("verifier listening on %s:%d (metrics port %s)", config.server.host, running.port, running.metrics_port)
-    print(
+    serve_until_signal(
+        running,
         f"verifier listening on {config.server.host}:{running.port}"
         f" metrics={running.metrics_port} workers={config.num_workers}",
-        flush=True,
     )
-    wait_for_stop_signal()
-    running.stop()

@@ -15,6 +15,7 @@ from typing import Any
 
 from ray import serve
 
+from rlep.common.config import load_config
 from rlep.common.types import Verdict
 from rlep.services.verifier.config import VerifierConfig
 
@@ -58,4 +59,5 @@ def build_app(config: VerifierConfig, num_replicas: int = 1):
 
 def app_builder(args: dict[str, Any]):
     """Entry point for `serve deploy` / `serve run`: args = {config: {...VerifierConfig...}, num_replicas}."""
-    return build_app(VerifierConfig.model_validate(args.get("config", {})), int(args.get("num_replicas", 1)))
+    config = load_config(VerifierConfig, args.get("config", {}), env_prefix="verifier")
+    return build_app(config, int(args.get("num_replicas", 1)))

@@ -11,9 +11,10 @@ import time
 from concurrent.futures import CancelledError
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from rlep.common.grpc_utils import check_request_size
+from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
 from rlep.services.verifier.config import VerifierConfig
@@ -28,45 +29,37 @@ class VerifierMetrics:
     """The verifier's Prometheus series (`rlep_verifier_*`)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.items = Counter(
-            "rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], registry=registry
+        m = MetricFactory(registry)
+        verdicts = [verdict.value for verdict in Verdict]
+        self.items = m.counter("rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], verdicts)
+        self.requests = m.counter(  # counted by the server's StatusCountInterceptor
+            "rlep_verifier_requests_total",
+            "Verify calls, by status code",
+            ["code"],
+            zero=("OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"),
         )
-        for verdict in Verdict:
-            self.items.labels(verdict.value)
-        self.requests = Counter(
-            "rlep_verifier_requests_total", "Verify calls, by status code", ["code"], registry=registry
-        )
-        for code in ("OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"):
-            self.requests.labels(code)  # exported at 0, so rate() and increase() see the first call
-        self.request_seconds = Histogram(
+        self.request_seconds = m.histogram(
             "rlep_verifier_request_seconds",
             "Latency of a Verify call",
-            registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
-        self.item_seconds = Histogram(
+        self.item_seconds = m.histogram(
             "rlep_verifier_item_seconds",
             "Worker time spent on one response",
-            registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.worker_restarts = Counter(
+        self.worker_restarts = m.counter(
             "rlep_verifier_worker_restarts_total",
             "Workers killed and replaced, by reason",
             ["reason"],
-            registry=registry,
+            ("timeout", "crash"),
         )
-        for reason in ("timeout", "crash"):
-            self.worker_restarts.labels(reason)
-        self.items_dropped = Counter(
+        self.items_dropped = m.counter(
             "rlep_verifier_items_dropped_total",
             "Items never checked because their call was cancelled or ran out of time",
-            registry=registry,
         )
-        self.items_in_flight = Gauge(
-            "rlep_verifier_items_in_flight", "Items submitted and not yet answered", registry=registry
-        )
-        self.workers = Gauge("rlep_verifier_workers", "Worker processes in the pool", registry=registry)
+        self.items_in_flight = m.gauge("rlep_verifier_items_in_flight", "Items submitted and not yet answered")
+        self.workers = m.gauge("rlep_verifier_workers", "Worker processes in the pool")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -75,14 +68,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         started = time.perf_counter()
-        code = grpc.StatusCode.OK
         try:
             return self._verify(request, context)
-        except Exception:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            raise
         finally:
-            self._metrics.requests.labels(code.name).inc()
             self._metrics.request_seconds.observe(time.perf_counter() - started)
 
     def _verify(

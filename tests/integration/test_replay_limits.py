@@ -103,7 +103,7 @@ def test_question_metadata_and_sample_ids_have_size_limits(limited):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "over max_question_bytes 4096" in details
     add(stub, pool, [traj("q", 1)])
-    for qid, phrase in (("", "question_ids[1]: empty question id"), ("q" * 300, "longer than 256 characters")):
+    for qid, phrase in (("", "question_ids[1]: missing question_id"), ("q" * 300, "longer than 256 characters")):
         request = replay_pb2.SampleRequest(pool=pool, question_ids=["q", qid], m=1)
         code, details = abort_of(stub.Sample, request)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and phrase in details

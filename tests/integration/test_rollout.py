@@ -15,9 +15,16 @@ import torch
 from rlep.common.grpc_utils import make_channel
 from rlep.common.types import FinishReason
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep.services.rollout.client import stream_payload
 from rlep.services.rollout.types import Sampling
+from rlep.services.weights.nccl import BroadcastGroup
 from rlep.services.weights.payload import to_payload
+from rlep.services.weights.transport import (
+    SharedFileTransport,
+    StreamTransport,
+    broadcast_messages,
+    shared_file_messages,
+    stream_payload,
+)
 from tests.metrics_util import scrape, series_value, service_labels
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -83,7 +90,7 @@ def test_pushed_weights_give_transformers_logprobs(rollout_client, rollout, hf_m
     """After a streamed push, the worker's sampled-token logprobs equal an HF forward of the pushed weights."""
     version = rollout.engine.version + 1
     state_dict = perturbed_state_dict(hf_model, seed=version)
-    [reply] = rollout_client.push_weights(state_dict, version, transport="stream")
+    [reply] = rollout_client.push_weights(state_dict, version, transport=StreamTransport())
     assert reply.version == version and rollout_client.versions() == [version]
 
     [completion] = rollout_client.generate([PROMPT], Sampling(n=4, temperature=1.0, max_tokens=32, seed=3))
@@ -99,7 +106,7 @@ def test_pushed_weights_give_transformers_logprobs(rollout_client, rollout, hf_m
 def test_zero_weights_through_shared_memory_give_uniform_logprobs(rollout_client, rollout, hf_model):
     version = rollout.engine.version + 1
     zeros = {name: torch.zeros_like(t) for name, t in perturbed_state_dict(hf_model, 0).items()}
-    [reply] = rollout_client.push_weights(zeros, version, transport="shared_file")
+    [reply] = rollout_client.push_weights(zeros, version, transport=SharedFileTransport())
     assert reply.version == version
     [completion] = rollout_client.generate([PROMPT], Sampling(n=2, temperature=1.0, max_tokens=16, seed=1))
     uniform = -math.log(rollout.engine.vocab_size)
@@ -245,7 +252,7 @@ def test_unknown_fields_are_refused(rollout, auth_token_file):
 
 def _push(stub, header: rollout_pb2.WeightHeader, payload: bytes | None = None, shared_file: str | None = None):
     if shared_file is not None:
-        messages = iter([rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=shared_file)])
+        messages = iter(shared_file_messages(header, shared_file))
     else:
         messages = stream_payload(header, payload)
     return stub.UpdateWeights(messages, timeout=120)
@@ -344,20 +351,10 @@ def test_metrics_need_the_token(rollout):
     assert info.value.code == 401
 
 
-def _broadcast_push(stub, version: int, entries, **override):
+def _broadcast_push(stub, version: int, entries, master_port: int = 29650, rank_offset: int = 1):
     """An UpdateWeights call that asks the worker to receive `entries` over NCCL (GPU workers only)."""
-    from rlep.services.weights.nccl import manifest_bytes, manifest_digest
-
-    header = rollout_pb2.WeightHeader(
-        version=version, sha256=manifest_digest(entries), total_bytes=manifest_bytes(entries)
-    )
-    fields = {"master_address": "127.0.0.1", "master_port": 29650, "rank_offset": 1, "world_size": 2}
-    chunk = rollout_pb2.NcclBroadcast(
-        **{**fields, **override},
-        tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries],
-    )
-    messages = [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]
-    return stub.UpdateWeights(iter(messages), timeout=30)
+    group = BroadcastGroup("127.0.0.1", master_port, world_size=2)
+    return stub.UpdateWeights(iter(broadcast_messages(version, entries, group, rank_offset)), timeout=30)
 
 
 def test_nccl_broadcast_pushes_are_checked_and_a_cpu_worker_declines_them(stub, rollout, hf_model):

@@ -1,0 +1,146 @@
+"""Rollout request logic without gRPC or vLLM (services/rollout/core.py): prompts -> token ids, and weight intake
+(header checks, a streamed payload staged and hashed, shared files, NCCL manifests)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from contextlib import ExitStack
+
+import pytest
+import torch
+
+from rlep.rollout.v1 import rollout_pb2
+from rlep.services.rollout.core import PromptEncoder, WeightIntake
+from rlep.services.weights.nccl import manifest_bytes, manifest_digest
+from rlep.services.weights.payload import TensorInfo, WeightError, to_payload
+
+STATE = {"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}
+
+
+class CharTokenizer:
+    """One token per character; chat renders as `role: content` lines."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+def prompt(**kind) -> rollout_pb2.Prompt:
+    return rollout_pb2.Prompt(**kind)
+
+
+def test_prompts_become_token_ids_or_say_what_is_wrong():
+    encoder = PromptEncoder(CharTokenizer(), vocab_size=100, max_model_len=16)
+    chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="hi")])
+    tokens = rollout_pb2.TokenPrompt(token_ids=[1, 2, 3])
+    ids = encoder.encode_all([prompt(text="ab"), prompt(chat=chat), prompt(tokens=tokens)], max_tokens=4)
+    assert ids == [CharTokenizer().encode("ab"), CharTokenizer().encode("user: hi\n"), [1, 2, 3]]
+    bad_role = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="tool", content="x")])
+    for prompts, message in [
+        ([prompt(tokens=rollout_pb2.TokenPrompt(token_ids=[100]))], "prompts[0]: token id 100 outside the vocabulary"),
+        ([prompt(text="a"), prompt(chat=rollout_pb2.ChatPrompt())], "prompts[1]: chat prompt without messages"),
+        ([prompt(chat=bad_role)], "prompts[0]: unknown role 'tool'"),
+        ([prompt(text="")], "prompts[0] is empty"),
+        ([prompt()], "prompts[0]: set one of chat, tokens or text"),
+        ([prompt(text="x" * 13)], "prompts[0]: 13 prompt tokens + max_tokens 4 exceed the model length 16"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            encoder.encode_all(prompts, max_tokens=4)
+
+
+@pytest.fixture
+def intake(tmp_path) -> WeightIntake:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(to_payload(STATE))
+    (model / "config.json").write_text(json.dumps({}))
+    for name in ("staging", "shared"):
+        (tmp_path / name).mkdir()
+    return WeightIntake(model, tmp_path / "staging", [tmp_path / "shared"])
+
+
+def header_for(payload: bytes) -> rollout_pb2.WeightHeader:
+    return rollout_pb2.WeightHeader(version=1, sha256=hashlib.sha256(payload).hexdigest(), total_bytes=len(payload))
+
+
+def data_chunks(payload: bytes, size: int = 64):
+    return iter([rollout_pb2.WeightChunk(data=payload[i : i + size]) for i in range(0, len(payload), size)])
+
+
+def test_a_streamed_payload_is_staged_checked_and_removed_afterwards(intake, tmp_path):
+    payload = to_payload(STATE)
+    header = header_for(payload)
+    assert intake.header_problem(header) is None
+    with ExitStack() as staging:
+        path = intake.receive(data_chunks(payload), header, staging)
+        assert path.parent == tmp_path / "staging" and path.read_bytes() == payload
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p, h: (p[:-1], h), "received .* bytes, header.total_bytes says"),
+        (lambda p, h: (p + b"x", h), "more bytes than header.total_bytes"),
+        (lambda p, h: (p, rollout_pb2.WeightHeader(version=1, sha256="0" * 64, total_bytes=len(p))), "sha256"),
+    ],
+)
+def test_a_bad_stream_is_refused(intake, change, message):
+    payload, header = change(to_payload(STATE), header_for(to_payload(STATE)))
+    with ExitStack() as staging, pytest.raises(WeightError, match=message):
+        intake.receive(data_chunks(payload), header, staging)
+
+
+def test_a_payload_that_does_not_fit_the_model_is_refused(intake):
+    payload = to_payload({"embed.weight": torch.ones(8, 4)})
+    with ExitStack() as staging, pytest.raises(WeightError, match="missing 1 tensors"):
+        intake.receive(data_chunks(payload), header_for(payload), staging)
+
+
+def test_shared_files_must_sit_in_a_shared_dir(intake, tmp_path):
+    payload = to_payload(STATE)
+    inside, outside = tmp_path / "shared" / "w.safetensors", tmp_path / "w.safetensors"
+    for path in (inside, outside):
+        path.write_bytes(payload)
+    header = header_for(payload)
+    with ExitStack() as staging:
+        chunk = iter([rollout_pb2.WeightChunk(shared_file=str(inside))])
+        assert intake.receive(chunk, header, staging) == inside.resolve()
+        with pytest.raises(WeightError, match="shared_file must be under one of"):
+            intake.receive(iter([rollout_pb2.WeightChunk(shared_file=str(outside))]), header, staging)
+        follow = iter([rollout_pb2.WeightChunk(shared_file=str(inside)), rollout_pb2.WeightChunk(data=b"x")])
+        with pytest.raises(WeightError, match="nothing may follow a shared_file chunk"):
+            intake.receive(follow, header, staging)
+    assert inside.exists()  # the sender's file stays
+
+
+def test_implausible_headers_are_named(intake):
+    good = header_for(to_payload(STATE))
+    assert intake.header_problem(rollout_pb2.WeightHeader(sha256="A" * 64, total_bytes=10)) == (
+        "header.sha256 must be 64 lowercase hex digits"
+    )
+    huge = rollout_pb2.WeightHeader(sha256=good.sha256, total_bytes=1 << 40)
+    assert "is not a plausible size for this model" in intake.header_problem(huge)
+
+
+def test_an_nccl_manifest_must_match_its_header_and_the_model(intake):
+    entries = [(name, TensorInfo("F32", tuple(t.shape))) for name, t in STATE.items()]
+    header = rollout_pb2.WeightHeader(version=1, sha256=manifest_digest(entries), total_bytes=manifest_bytes(entries))
+    broadcast = rollout_pb2.NcclBroadcast(
+        tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=i.shape) for n, i in entries],
+        master_address="127.0.0.1",
+        master_port=29500,
+        world_size=2,
+        rank_offset=1,
+    )
+    assert intake.broadcast_entries(header, broadcast, iter([])) == entries
+    broadcast.rank_offset = 0
+    with pytest.raises(WeightError, match="rank_offset"):
+        intake.broadcast_entries(header, broadcast, iter([]))
+    header.sha256 = "0" * 64
+    with pytest.raises(WeightError, match="sha256 of the manifest"):
+        intake.broadcast_entries(header, broadcast, iter([]))
