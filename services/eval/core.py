@@ -9,7 +9,10 @@ Per question, N responses are sampled and each gets a verdict from the verifier.
 - Pass@N: the share of questions with at least one correct sample.
 
 Prompts: built-in sets and user .jsonl files become one user message, the problem followed by
-`BOXED_INSTRUCTION`; a verl parquet file's `prompt` (chat messages) is sent as it is.
+`BOXED_INSTRUCTION`; a verl parquet file's `prompt` (chat messages) is sent as it is
+(`rlep.common.dataset.read_verl_parquet`, the reader training uses too). Every question is a
+`rlep.common.dataset.Question`: its id hashes the prompt's content, its `data_source` is the dataset
+name (a parquet row's own `data_source` for verl files).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlep.common.dataset import DatasetError, Question, chat_question, plain_answer, read_verl_parquet
 from rlep.common.types import Verdict
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "datasets"
@@ -31,28 +35,8 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 CURRENT_POLICY = "current"
 
 
-class DatasetError(ValueError):
-    """A dataset that cannot be used; the message says which and why (the API answers 422 with it)."""
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str  # "<dataset>/<row index>"
-    messages: tuple[Mapping[str, str], ...]  # chat prompt, as the rollout service takes it
-    ground_truth: str
-
-
 def chat_prompt(problem: str) -> tuple[dict[str, str], ...]:
     return ({"role": "user", "content": f"{problem.strip()}\n\n{BOXED_INSTRUCTION}"},)
-
-
-def plain_answer(value: Any) -> str:
-    """A gold answer as text; integral floats lose their `.0` (amc23 stores 27 as 27.0)."""
-    if isinstance(value, bool):
-        raise DatasetError(f"answer {value!r} is a boolean")
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value).strip()
 
 
 def gsm8k_answer(solution: Any) -> str:
@@ -106,39 +90,7 @@ def _jsonl_questions(
                 answer = read_answer(row["answer"])
             except DatasetError as err:
                 raise DatasetError(f"{source}: line {line_no}: {err}") from err
-            questions.append(Question(f"{source}/{len(questions)}", chat_prompt(str(row[problem_field])), answer))
-    return questions
-
-
-def _parquet_questions(path: Path, source: str, limit: int | None = None) -> list[Question]:
-    """verl's schema: `prompt` (chat messages, or a string) and `reward_model.ground_truth`. Reads the first
-    `limit` rows only (whole record batches of them)."""
-    import pyarrow.parquet as pq
-
-    try:
-        file, rows = pq.ParquetFile(path), []
-        missing = {"prompt", "reward_model"} - set(file.schema_arrow.names)
-        if missing:  # iter_batches would leave them out without a word
-            raise ValueError(f"no {', '.join(sorted(missing))} column")
-        for batch in file.iter_batches(batch_size=1024, columns=["prompt", "reward_model"]):
-            rows.extend(batch.to_pylist())
-            if limit is not None and len(rows) >= limit:
-                break
-        rows = rows[:limit]
-    except Exception as err:  # pyarrow raises several types for unreadable files and missing columns
-        raise DatasetError(f"{source}: not a verl parquet file with prompt and reward_model columns ({err})") from err
-    questions = []
-    for index, row in enumerate(rows):
-        prompt, reward_model = row["prompt"], row["reward_model"] or {}
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if not prompt or not all(isinstance(m, dict) and m.get("role") and m.get("content") for m in prompt):
-            raise DatasetError(f"{source}: row {index}: prompt must be a non-empty list of {{role, content}}")
-        gold = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-        if gold is None or not str(gold).strip():
-            raise DatasetError(f"{source}: row {index}: reward_model.ground_truth is missing")
-        messages = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in prompt)
-        questions.append(Question(f"{source}/{index}", messages, plain_answer(gold)))
+            questions.append(chat_question(chat_prompt(str(row[problem_field])), answer, source))
     return questions
 
 
@@ -190,7 +142,7 @@ def load_dataset(name: str, limit: int | None = None, allowed_roots: Iterable[Pa
         if path.suffix == ".jsonl":
             questions = _jsonl_questions(path, name, ("problem", "question"), plain_answer, limit)
         else:
-            questions = _parquet_questions(path, name, limit)
+            questions = read_verl_parquet(path, name, limit)
     else:
         raise DatasetError(
             f"unknown dataset {name!r}: use a built-in one ({', '.join(BUILTIN_DATASETS)}) "

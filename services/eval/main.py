@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from rlep.common.lifecycle import wait_for_stop_signal
+from rlep.common.lifecycle import serve_until_signal
 from rlep.common.metrics import service_registry
 from rlep.common.tls import uvicorn_ssl_kwargs
 from rlep.services.eval.config import EvalConfig
@@ -109,10 +109,8 @@ def serve_forever(config: EvalConfig) -> None:
     running = start_eval(config)
     log.info("eval listening on %s", running.url)
     checkpoints = "off" if config.checkpoint_rollout is None else ",".join(config.checkpoint_rollout.addresses)
-    print(
+    serve_until_signal(
+        running,
         f"eval listening on {running.url} rollout={','.join(config.rollout.addresses)}"
         f" checkpoint_rollout={checkpoints} verifier={config.verifier.address}",
-        flush=True,
     )
-    wait_for_stop_signal()
-    running.stop()

@@ -15,6 +15,7 @@ from typing import Any
 
 from ray import serve
 
+from rlep.common.config import load_config
 from rlep.services.eval.config import EvalConfig
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class EvalReplica:
 
             addresses = replica_addresses_on_ray(rollout_app, wait_s=ROLLOUT_WAIT_S)
             config = {**config, "rollout": {**config.get("rollout", {}), "addresses": addresses}}
-        self._running = start_eval(EvalConfig.model_validate(config))
+        self._running = start_eval(load_config(EvalConfig, config, env_prefix="eval"))
         log.info("eval replica serving on %s", self._running.url)
 
     def get_url(self) -> str:
@@ -58,5 +59,5 @@ def app_builder(args: dict[str, Any]):
     if rollout_app:
         # A placeholder passes validation here; the replica replaces it with the registered addresses.
         config["rollout"] = {"addresses": ["registry:0"], **config.get("rollout", {})}
-    EvalConfig.model_validate(config)  # fail at deploy time on a bad config, not in every replica
+    load_config(EvalConfig, config, env_prefix="eval")  # fail at deploy time on a bad config, not in every replica
     return EvalReplica.options(num_replicas=1).bind(config, rollout_app)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from rlep.common.dataset import Question
 from rlep.common.files import load_safetensors
 from rlep.common.types import FinishReason
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
@@ -27,7 +28,6 @@ from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.core import (
     CURRENT_POLICY,
     DatasetTally,
-    Question,
     SampleScore,
     checkpoint_files,
     load_dataset,
@@ -205,7 +205,7 @@ class JobRunner:
                 if self._stopping.is_set():
                     raise JobAbandoned()
                 chunk = questions[start : start + self._config.questions_per_call]
-                completions = rollout.generate([q.messages for q in chunk], sampling)
+                completions = rollout.generate([q.chat() for q in chunk], sampling)
                 # A job cancelled while its chunk was generating must not cost verifier time as well.
                 if not self._store.renew_lease(job.id, attempt, self._config.lease_s):
                     raise JobAbandoned()

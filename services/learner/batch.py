@@ -66,6 +66,25 @@ class ExperienceBatch:
         return replace(self, old_logprobs=old_logprobs)
 
 
+def layout_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The token layout of (prompt ids, response ids) rows (see the module docstring).
+
+    Returns `tokens` `[N, L]` long (prompt + response, right-padded with `pad_id` to the longest row),
+    `attention_mask` `[N, L]` long, and `loss_mask` `[N, L-1]` float, 1 where the next token is a
+    response token. Every prompt needs at least one token.
+    """
+    length = max(len(p) + len(r) for p, r in rows)
+    tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(rows):
+        total = len(prompt) + len(response)
+        tokens[i, :total] = torch.tensor([*prompt, *response])
+        attention[i, :total] = 1
+        loss_mask[i, len(prompt) - 1 : total - 1] = 1.0
+    return tokens, attention, loss_mask
+
+
 def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
     """Tensors for every trajectory of `groups`; advantages normalised within each mixed group.
 
@@ -89,15 +108,7 @@ def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
         if not t.prompt_token_ids or not t.response_token_ids:
             raise ValueError(f"trajectory {t.id[:12]} of question {t.question_id} lacks prompt or response tokens")
         rows.append((list(t.prompt_token_ids), list(t.response_token_ids)))
-    length = max(len(p) + len(r) for p, r in rows)
-    tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(rows):
-        total = len(prompt) + len(response)
-        tokens[i, :total] = torch.tensor(prompt + response)
-        attention[i, :total] = 1
-        loss_mask[i, len(prompt) - 1 : total - 1] = 1.0
+    tokens, attention, loss_mask = layout_rows(rows, pad_id)
     return ExperienceBatch(
         tokens=tokens,
         attention_mask=attention,

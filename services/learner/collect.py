@@ -26,10 +26,11 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlep.common.dataset import Question
 from rlep.common.files import load_safetensors
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.services.learner.config import CollectConfig
-from rlep.services.learner.data import Question
+from rlep.services.learner.experience import sampled_trajectories
 from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
@@ -183,32 +184,21 @@ def _collect_chunk(
         ),
     )
     items = [(s.text, q.ground_truth) for q, c in zip(chunk, completions, strict=True) for s in c.samples]
-    outcomes = iter(services.verifier.verify(items))
+    verified = iter(services.verifier.verify(items))
     keep: list[Trajectory] = []
-    now_ms = int(time.time() * 1000)
+    fingerprint = tokenizer.fingerprint if tokenizer else ""
     for question, completion in zip(chunk, completions, strict=True):
-        successes = []
-        for sample in completion.samples:
-            outcome = next(outcomes)
-            if outcome.verdict != Verdict.CORRECT:
-                continue
-            successes.append(
-                Trajectory(
-                    question_id=question.question_id,
-                    response_text=sample.text,
-                    reward=outcome.reward,
-                    source=Source.REPLAY,
-                    verdict=Verdict.CORRECT,
-                    policy_version=sample.policy_version,
-                    finish_reason=sample.finish_reason,
-                    prompt_token_ids=tuple(completion.prompt_token_ids),
-                    response_token_ids=tuple(sample.token_ids),
-                    behavior_logprobs=tuple(sample.logprobs),
-                    run_id=config.run_id,
-                    created_at_ms=now_ms,
-                    tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else "",
-                )
-            )
+        outcomes = [next(verified) for _ in completion.samples]
+        sampled = sampled_trajectories(
+            question.question_id,
+            completion.prompt_token_ids,
+            completion.samples,
+            outcomes,
+            Source.REPLAY,
+            config.run_id,
+            fingerprint,
+        )
+        successes = [t for t in sampled if t.verdict == Verdict.CORRECT]
         stats.questions += 1
         stats.samples += len(completion.samples)
         stats.successes += len(successes)

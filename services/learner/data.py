@@ -1,4 +1,4 @@
-"""Training questions from verl/DAPO parquet, and a resumable cursor over them.
+"""Training questions from verl/DAPO parquet (read by `rlep.common.dataset`), and a resumable cursor over them.
 
 The cursor walks a seeded permutation of the questions, epoch after epoch; its state is two
 integers (epoch, position), saved with every checkpoint, so a resumed run neither skips nor repeats
@@ -8,47 +8,18 @@ a prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from rlep.common.dataset import question_id
+from rlep.common.dataset import Question, read_verl_parquet
 
-
-@dataclass(frozen=True)
-class Question:
-    question_id: str
-    messages: tuple[tuple[str, str], ...]  # (role, content) pairs: the chat prompt
-    ground_truth: str
-    data_source: str = ""
-
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": role, "content": content} for role, content in self.messages]
+__all__ = ["DataCursor", "Question", "load_questions"]
 
 
 def load_questions(paths: Sequence[Path]) -> list[Question]:
-    """Rows of verl-schema parquet files (`prompt`, `reward_model.ground_truth`, `data_source`) as read."""
-    import pyarrow.parquet as pq
-
-    questions: list[Question] = []
-    for path in paths:
-        table = pq.read_table(path)
-        missing = {"prompt", "reward_model"} - set(table.column_names)
-        if missing:
-            raise ValueError(f"{path}: not verl schema, missing columns {sorted(missing)}")
-        for row in table.to_pylist():
-            prompt = row["prompt"]
-            if not prompt:
-                raise ValueError(f"{path}: a row has an empty prompt")
-            source = row.get("data_source") or ""
-            extra = row.get("extra_info") or {}
-            qid = extra.get("question_id") or question_id(prompt)
-            truth = (row["reward_model"] or {}).get("ground_truth")
-            if truth is None:
-                raise ValueError(f"{path}: question {qid} has no reward_model.ground_truth")
-            messages = tuple((str(m["role"]), str(m["content"])) for m in prompt)
-            questions.append(Question(qid, messages, str(truth), source))
+    """The questions of verl-schema parquet files, in order (`read_verl_parquet` says what is refused)."""
+    questions = [question for path in paths for question in read_verl_parquet(path)]
     if not questions:
         raise ValueError(f"no questions in {[str(p) for p in paths]}")
     return questions

@@ -1,6 +1,8 @@
 """Turning rollout output and replay samples into scored trajectories of one step (pure: no services).
 
-- `score_fresh`: a question's sampled responses, with verifier outcomes and DAPO's overlong shaping.
+- `sampled_trajectories`: a question's rollout samples with their verifier outcomes, as trajectories
+  (fresh ones for training, verified successes for `collect`).
+- `score_fresh`: those of a training step, with DAPO's overlong shaping.
 - `prepare_replayed`: replayed successes laid out like fresh samples of this step's prompt (see
   `tokens.py`), counted in a `ReplayReport` so a step that silently got no replay cannot happen.
 - `group_varies`: DAPO's dynamic-sampling filter (a group whose rewards are all equal has zero
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,7 +26,7 @@ from rlep.common.algorithm import overlong_penalty
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict
 from rlep.services.learner.config import AlgorithmConfig
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
-from rlep.services.rollout.types import Completion
+from rlep.services.rollout.types import Completion, SampleOut
 
 
 def shaped_reward(reward: float, response_tokens: int, algo: AlgorithmConfig) -> float:
@@ -37,6 +39,41 @@ def shaped_reward(reward: float, response_tokens: int, algo: AlgorithmConfig) ->
     return reward + float(penalty[0])
 
 
+def sampled_trajectories(
+    question_id: str,
+    prompt_token_ids: Sequence[int],
+    samples: Sequence[SampleOut],
+    outcomes: Sequence,
+    source: Source,
+    run_id: str,
+    fingerprint: str,
+    reward: Callable[[float, SampleOut], float] = lambda verified, sample: verified,
+) -> list[Trajectory]:
+    """One trajectory per rollout sample of a question, with its verifier outcome (one per sample, in order).
+
+    `reward(verifier reward, sample)` gives the stored reward (default: the verifier's as it is).
+    """
+    now_ms = int(time.time() * 1000)
+    return [
+        Trajectory(
+            question_id=question_id,
+            response_text=s.text,
+            reward=reward(outcome.reward, s),
+            source=source,
+            verdict=outcome.verdict,
+            policy_version=s.policy_version,
+            finish_reason=s.finish_reason,
+            prompt_token_ids=tuple(prompt_token_ids),
+            response_token_ids=tuple(s.token_ids),
+            behavior_logprobs=tuple(s.logprobs),
+            run_id=run_id,
+            created_at_ms=now_ms,
+            tokenizer_fingerprint=fingerprint,
+        )
+        for s, outcome in zip(samples, outcomes, strict=True)
+    ]
+
+
 def score_fresh(
     question_id: str,
     prompt: EncodedPrompt,
@@ -46,26 +83,17 @@ def score_fresh(
     run_id: str,
     fingerprint: str,
 ) -> list[Trajectory]:
-    """One question's fresh trajectories; `outcomes` are the verifier's, one per sample in order."""
-    now_ms = int(time.time() * 1000)
-    return [
-        Trajectory(
-            question_id=question_id,
-            response_text=s.text,
-            reward=shaped_reward(outcome.reward, len(s.token_ids), algo),
-            source=Source.FRESH,
-            verdict=outcome.verdict,
-            policy_version=s.policy_version,
-            finish_reason=s.finish_reason,
-            prompt_token_ids=prompt.token_ids,
-            response_token_ids=tuple(s.token_ids),
-            behavior_logprobs=tuple(s.logprobs),
-            run_id=run_id,
-            created_at_ms=now_ms,
-            tokenizer_fingerprint=fingerprint,
-        )
-        for s, outcome in zip(completion.samples, outcomes, strict=True)
-    ]
+    """One question's fresh trajectories, rewards shaped for overlong responses."""
+    return sampled_trajectories(
+        question_id,
+        prompt.token_ids,
+        completion.samples,
+        outcomes,
+        Source.FRESH,
+        run_id,
+        fingerprint,
+        reward=lambda verified, sample: shaped_reward(verified, len(sample.token_ids), algo),
+    )
 
 
 def group_varies(group: Sequence[Trajectory], metric: str) -> bool:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import DataCursor, Question
+from rlep.services.learner.data import DataCursor
 from rlep.services.learner.experience import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
 from rlep.services.learner.metrics import PHASES
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer

@@ -91,7 +91,7 @@ def encode_examples(tokenizer, problems: Sequence[Problem], completions: Sequenc
     `loss_mask[i, j]` is 1 where token j+1 of row i belongs to the completion (its EOS included),
     matching the next-token shift of the logits.
     """
-    import torch
+    from rlep.services.learner.batch import layout_rows  # torch: imported when a batch is built
 
     rows = []
     for problem, completion in zip(problems, completions, strict=True):
@@ -99,16 +99,7 @@ def encode_examples(tokenizer, problems: Sequence[Problem], completions: Sequenc
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         completion_ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((prompt_ids, completion_ids))
-    length = max(len(p) + len(c) for p, c in rows)
-    tokens = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
-    for i, (prompt_ids, completion_ids) in enumerate(rows):
-        total = len(prompt_ids) + len(completion_ids)
-        tokens[i, :total] = torch.tensor(prompt_ids + completion_ids)
-        attention[i, :total] = 1
-        loss_mask[i, len(prompt_ids) - 1 : total - 1] = 1.0
-    return tokens, attention, loss_mask
+    return layout_rows(rows, tokenizer.pad_token_id)
 
 
 def render_prompt(tokenizer, problem: Problem) -> str:

@@ -59,7 +59,7 @@ def long_job(path, **overrides) -> EvaluationRequest:
 
 def score_directly(questions, sampling, rollout_client, verifier_client) -> DatasetResult:
     """The figures of one Generate call over `questions`, verified and scored without the eval service."""
-    completions = rollout_client.generate([q.messages for q in questions], sampling)
+    completions = rollout_client.generate([q.chat() for q in questions], sampling)
     pairs = [(q, s) for q, c in zip(questions, completions, strict=True) for s in c.samples]
     outcomes = verifier_client.verify([(s.text, q.ground_truth) for q, s in pairs])
     scores = [
@@ -69,7 +69,7 @@ def score_directly(questions, sampling, rollout_client, verifier_client) -> Data
     tally = DatasetTally()
     for start in range(0, len(scores), sampling.n):
         tally.add(score_question(scores[start : start + sampling.n]))
-    return DatasetResult(dataset=questions[0].id.split("/")[0], questions_total=len(questions), **tally.summary())
+    return DatasetResult(dataset=questions[0].data_source, questions_total=len(questions), **tally.summary())
 
 
 def wait_for_status(client: EvalClient, job_id: str, wanted: set[JobStatus], timeout_s: float = 60) -> EvaluationJob:

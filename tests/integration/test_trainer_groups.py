@@ -17,10 +17,10 @@ import statistics
 import pytest
 import torch
 
+from rlep.common.dataset import Question
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import Question
 from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
@@ -195,10 +195,10 @@ def test_fresh_and_replayed_answers_form_one_shaped_mixed_group(tokenizer, verif
         for got, want, advantage in zip(got_fresh + got_replayed, expected, advantages, strict=True):
             assert got[:3] == pytest.approx(want), (question.question_id, got, want)
             assert got[3] == pytest.approx(advantage, abs=1e-5)
-    assert record["replayed_fraction"] == pytest.approx(2 / 6)
-    assert (record["replay_requested"], record["replay_used"], record["replay_failed_verification"]) == (4, 4, 0)
-    assert record["reward_mean"] == pytest.approx((1.0 + 0.5 - 1.0 - 2.0) / 4)
-    assert record["fresh_accuracy"] == pytest.approx(0.5)
+    assert record.replayed_fraction == pytest.approx(2 / 6)
+    assert (record.replay_requested, record.replay_used, record.replay_failed_verification) == (4, 4, 0)
+    assert record.reward_mean == pytest.approx((1.0 + 0.5 - 1.0 - 2.0) / 4)
+    assert record.fresh_accuracy == pytest.approx(0.5)
     assert rollout.pushed == [1, 2]  # the start's push, then one per step
 
 
@@ -215,8 +215,8 @@ def test_max_replayed_fraction_caps_replayed_rows_per_group(tokenizer, verifier_
     ((batch, _),) = policy.updates
     for group in range(len(QUESTIONS)):
         assert [r[0] for r in rows_of_group(batch, group)] == [False] * 4 + [True] * 2
-    assert record["replayed_fraction"] == pytest.approx(2 / 6)
-    assert (record["replay_requested"], record["replay_used"]) == (2 * 2, 2 * 2)
+    assert record.replayed_fraction == pytest.approx(2 / 6)
+    assert (record.replay_requested, record.replay_used) == (2 * 2, 2 * 2)
 
 
 @pytest.mark.parametrize("online", [True, False], ids=["online-replay", "off"])

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from rlep.common.types import FinishReason, Verdict
+from rlep.common.dataset import Question
+from rlep.common.types import FinishReason, Source, Verdict
 from rlep.services.cli.app import app
 from rlep.services.learner.collect import (
     CollectConfig,
@@ -19,7 +20,7 @@ from rlep.services.learner.collect import (
     load_state,
     run_settings,
 )
-from rlep.services.learner.data import Question, load_questions
+from rlep.services.learner.data import load_questions
 from rlep.services.learner.trainer import ServiceClients
 from rlep.services.rollout.types import Completion, SampleOut
 
@@ -67,6 +68,7 @@ def test_questions_need_k_distinct_successes():
     assert (stats.questions, stats.questions_kept, stats.samples, stats.successes) == (3, 1, 9, 4)
     assert [t.response_text for t in replay.added] == ["ok a", "ok b"]  # q2's two successes are one answer
     assert all(t.prompt_token_ids == (1, 2) and t.policy_version == 7 for t in replay.added)
+    assert all(t.source == Source.REPLAY and t.verdict == Verdict.CORRECT for t in replay.added)
 
 
 TEXTS = {"q1": ["ok a", "ok b"], "q2": ["ok a", "no"], "q3": ["no", "no"]}

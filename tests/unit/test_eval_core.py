@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
+from rlep.common.dataset import question_id
 from rlep.common.types import Verdict
 from rlep.services.cli.eval import parse_datasets
 from rlep.services.eval.config import EvalConfig, EvalLimits, HttpServerConfig, RolloutEndpoints, VerifierEndpoint
@@ -36,11 +37,12 @@ def sample(verdict: Verdict, answer: str = "", tokens: int = 10, truncated: bool
 def test_builtin_datasets_ship_in_the_package_with_text_gold_answers(name):
     questions = load_dataset(name)
     assert len(questions) == SIZES[name]
-    assert len({q.id for q in questions}) == len(questions)
+    assert len({q.question_id for q in questions}) == len(questions)
     for q in questions:
         assert q.ground_truth and q.ground_truth == q.ground_truth.strip()
-        [message] = q.messages
+        [message] = q.chat()
         assert message["role"] == "user" and message["content"].endswith(BOXED_INSTRUCTION)
+        assert q.question_id == question_id([message]) and q.data_source == name
 
 
 def test_gold_answers_are_read_per_source_format():
@@ -69,7 +71,7 @@ def test_a_correct_boxed_answer_counts_against_every_builtin_gold_format():
     ]
     for question, response in cases:
         result = check_answer(response, question.ground_truth)
-        assert result.verdict == Verdict.CORRECT, (question.id, result)
+        assert result.verdict == Verdict.CORRECT, (question.question_id, result)
         wrong = check_answer("\\boxed{123456789}", question.ground_truth)
         assert wrong.verdict == Verdict.WRONG
         tally = DatasetTally()
@@ -102,8 +104,8 @@ def test_user_jsonl_reads_problem_and_answer(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     questions = load_dataset(str(path))
     assert [q.ground_truth for q in questions] == ["2", "\\frac12", "3.5"]
-    assert questions[0].messages[0]["content"].startswith("1+1?")
-    assert questions[1].id == f"{path}/1"
+    assert questions[0].chat()[0]["content"].startswith("1+1?")
+    assert questions[1].question_id == question_id(questions[1].chat()) and questions[1].data_source == str(path)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,8 @@ def test_verl_parquet_keeps_its_prompt_as_is(tmp_path):
     chat = [{"role": "system", "content": "Answer: X"}, {"role": "user", "content": "2+2?"}]
     _write_verl(path, [{"prompt": chat, "reward_model": {"ground_truth": "4"}}])
     [question] = load_dataset(str(path))
-    assert list(question.messages) == chat and question.ground_truth == "4"
+    assert question.chat() == chat and question.ground_truth == "4"
+    assert question.question_id == question_id(chat)  # the id training and replay give the same prompt
     _write_verl(path, [{"prompt": chat, "reward_model": {"ground_truth": None}}])
     with pytest.raises(DatasetError, match="row 0: reward_model.ground_truth"):
         load_dataset(str(path))
