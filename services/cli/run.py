@@ -14,6 +14,7 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import load_questions
 from rlep.services.learner.pool_seed import seed_pool_from_candidates
 from rlep.services.learner.ray_policy import RayPolicy
+from rlep.services.learner.records import LogRecord, StepRecord
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
 
@@ -29,9 +30,9 @@ def run_training(
     resume: bool = False,
     ray_address: str | None = None,
     stack: ServiceStack | None = None,
-    on_step: Callable[[dict], None] | None = None,
+    on_step: Callable[[LogRecord], None] | None = None,
     show_progress: bool = True,
-) -> list[dict]:
+) -> list[StepRecord]:
     """Runs `config.steps` steps (from the latest checkpoint with `resume`); returns the step records.
 
     Pass a started `stack` to share services between runs (the demo's three phases do).
@@ -76,9 +77,9 @@ def run_training(
             while trainer.step < config.steps:
                 record = trainer.train_step()
                 records.append(record)
-                status = f"acc {record['fresh_accuracy']:.2f} reward {record['reward_mean']:+.2f}"
-                if "eval_accuracy" in record:
-                    status += f" eval {record['eval_accuracy']:.2f}"
+                status = f"acc {record.fresh_accuracy:.2f} reward {record.reward_mean:+.2f}"
+                if record.eval_accuracy is not None:
+                    status += f" eval {record.eval_accuracy:.2f}"
                 progress.update(task, completed=trainer.step, status=status)
         return records
     finally:

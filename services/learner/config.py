@@ -20,6 +20,7 @@ from rlep.common.algorithm import LossAgg
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import EngineConfig
+from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
 class DynamicSamplingConfig(StrictModel):
@@ -132,19 +133,6 @@ class LocalServicesConfig(StrictModel):
     """Ray GPUs per learner process; None = 1 when the machine starting the run has a GPU, else 0."""
 
 
-class WeightSyncConfig(StrictModel):
-    """How each step's new weights reach the rollout replicas."""
-
-    transport: Literal["auto", "stream", "shared_file", "nccl"] = "auto"
-    """auto = one shared-memory file when every replica is on this host, else safetensors streamed over
-    gRPC; nccl = GPU only, NOT exercised by CI: the learner's rank 0 broadcasts to every replica's workers
-    (vLLM's RLHF pattern; services/weights/nccl.py). Replicas that rejoin are always brought up by stream."""
-    nccl_port: int = Field(29650, ge=1024, le=65000)
-    """First port of the NCCL group's store on the learner's rank 0 (a new group takes the next one)."""
-    workers_per_replica: int = Field(1, ge=1)
-    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the NCCL group."""
-
-
 class DataConfig(StrictModel):
     train_files: list[Path] = []
     """verl/DAPO parquet files (`prompt`, `reward_model.ground_truth`, `data_source`)."""
@@ -198,7 +186,9 @@ class TrainConfig(StrictModel):
     local: LocalServicesConfig = LocalServicesConfig()
     data: DataConfig = DataConfig()
     eval: PeriodicEvalConfig = PeriodicEvalConfig()
-    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    weight_sync: WeightSyncConfig = AutoSyncConfig()
+    """How each step's new weights reach the rollout replicas: `transport` auto, stream, shared_file or nccl
+    (services/weights/config.py); replicas that rejoin are brought up by auto."""
     collect: CollectConfig = CollectConfig()
     """Settings of `rlep collect` when it is given this file (`configs/recipes/collect.yaml`)."""
     log_file: Path | None = None

@@ -1,16 +1,16 @@
 """The learner's Prometheus series (`rlep_learner_*`): one gauge per logged training figure.
 
-The same figures go to the JSONL log each step; `STEP_GAUGES` maps a log key to its series so the two
-never drift apart.
+The same figures go to the JSONL log each step; `STEP_GAUGES` maps a field of the step's record
+(records.py, whose field names are the log's keys) to its series so the two never drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-# log key -> (metric name, help)
+from rlep.services.learner.records import LogRecord, StepRecord
+
+# record field -> (metric name, help); a field a record lacks or leaves None keeps its gauge as it was
 STEP_GAUGES: dict[str, tuple[str, str]] = {
     "step": ("rlep_learner_step", "Training steps completed"),
     "policy_version": ("rlep_learner_policy_version", "Weight version last pushed to rollout"),
@@ -57,10 +57,12 @@ class LearnerMetrics:
             self.step_seconds.labels(phase)
             self.phase_seconds.labels(phase)
 
-    def record(self, figures: Mapping[str, float], phase_seconds: Mapping[str, float]) -> None:
-        for key, value in figures.items():
-            if key in self.gauges:
-                self.gauges[key].set(value)
+    def record(self, record: LogRecord) -> None:
+        for field, gauge in self.gauges.items():
+            value = getattr(record, field, None)
+            if value is not None:
+                gauge.set(value)
+        phase_seconds = record.phase_seconds if isinstance(record, StepRecord) else {}
         for phase, seconds in phase_seconds.items():
             self.step_seconds.labels(phase).set(seconds)
             self.phase_seconds.labels(phase).inc(seconds)

@@ -299,6 +299,12 @@ class DeepSpeedPolicy:
             self._sender = NcclWeightSender(group)
         self._sender.broadcast(state)
 
+    def broadcast_address(self) -> str:
+        """This node's address: rank 0 of a local policy is this process, and the NCCL group's store listens here."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     def rng_state(self) -> dict[str, Any]:
         return {
             "optimizer_steps": self.optimizer_steps,

@@ -1,23 +1,80 @@
 """The learner as DeepSpeed processes in Ray actors: `RayPolicy` runs `DeepSpeedPolicy` in N actors (rank 0 is
-the rendezvous for gloo/NCCL) and offers the same calls as a local one."""
+the rendezvous for gloo/NCCL) and offers the same calls as a local one.
+
+Neither class writes the policy's calls out: both are generated from the `Policy` Protocol
+(policy_interface.py), the actor's as forwards to its `DeepSpeedPolicy`, `RayPolicy`'s as calls to every
+actor. Ray reads an actor's methods when `ray.remote` is applied, so they are added before it.
+"""
 
 from __future__ import annotations
 
+import inspect
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from rlep.services.learner.batch import ExperienceBatch
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.policy_interface import Policy, spread_calls
 
 
-@ray.remote
-class PolicyActor:
+def _like(name: str, owner: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives a generated method the Protocol's name, docs and signature (Ray checks calls against it).
+
+    A copy of the signature, not `functools.wraps`: Ray adds a tracing parameter to the signature of the
+    function that `__wrapped__` leads to, which would be the Protocol's own method.
+    """
+
+    def adopt(method: Callable[..., Any]) -> Callable[..., Any]:
+        declared = getattr(Policy, name)
+        method.__name__, method.__doc__ = name, declared.__doc__
+        method.__qualname__ = f"{owner.__qualname__}.{name}"
+        method.__module__ = owner.__module__
+        method.__signature__ = inspect.signature(declared)
+        return method
+
+    return adopt
+
+
+def _with_forwards(cls: type) -> type:
+    """Adds every spread `Policy` call to `cls` as a forward to its `self.policy`."""
+
+    def forward(name: str) -> Callable[..., Any]:
+        @_like(name, cls)
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.policy, name)(*args, **kwargs)
+
+        return call
+
+    for name in spread_calls():
+        setattr(cls, name, forward(name))
+    return cls
+
+
+def _with_fan_outs(cls: type) -> type:
+    """Adds every spread `Policy` call to `cls` as a call to each of `self.actors`, answering as marked."""
+
+    def fan_out(name: str, rank0_result: bool) -> Callable[..., Any]:
+        @_like(name, cls)
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            answers = ray.get([getattr(actor, name).remote(*args, **kwargs) for actor in self.actors])
+            return answers[0] if rank0_result else None
+
+        return call
+
+    for name, rank0_result in spread_calls().items():
+        setattr(cls, name, fan_out(name, rank0_result))
+    return cls
+
+
+@_with_forwards
+class PolicyProcess:
     """One learner process. Started in two phases: placed first, then `setup` once rank 0 has named the
-    rendezvous (its own node and a port free there: on a cluster it need not be the driver's node)."""
+    rendezvous (its own node and a port free there: on a cluster it need not be the driver's node).
+    Every spread `Policy` call is added by `_with_forwards` as a forward to this process's `DeepSpeedPolicy`."""
 
     def rendezvous(self) -> tuple[str, int]:
         return self.node_address(), free_port()
@@ -27,38 +84,13 @@ class PolicyActor:
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         init_distributed(rank, world_size, master_addr, master_port)
-        self.trainer = DeepSpeedPolicy(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
-
-    # Typed calls, one per `DeepSpeedPolicy` method the learner uses (no method named by a string).
-    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        return self.trainer.logprobs(batch)
-
-    def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
-        return self.trainer.update(batch, rows_per_mini_batch)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.trainer.state_dict()
-
-    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        self.trainer.save_hf(out_dir, tokenizer_dir)
-
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self.trainer.save_checkpoint(directory, tag, client_state)
-
-    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]:
-        return self.trainer.load_checkpoint(directory, tag)
-
-    def rng_state(self) -> dict[str, Any]:
-        return self.trainer.rng_state()
-
-    def weight_manifest(self) -> list:
-        return self.trainer.weight_manifest()
-
-    def broadcast_weights(self, group) -> None:
-        self.trainer.broadcast_weights(group)
+        self.policy = DeepSpeedPolicy(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
 
     def node_address(self) -> str:
         return ray.util.get_node_ip_address()
+
+
+PolicyActor = ray.remote(PolicyProcess)
 
 
 def free_port() -> int:
@@ -67,8 +99,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class RayPolicy:
-    """`DeepSpeedPolicy` over `config.deepspeed.num_processes` Ray actors; every call goes to all of them."""
+@_with_fan_outs
+class RayPolicy(Policy):
+    """`DeepSpeedPolicy` over `config.deepspeed.num_processes` Ray actors. The spread `Policy` calls are added by
+    `_with_fan_outs`: each goes to every actor and returns rank 0's answer or nothing, as the Protocol marks it."""
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
@@ -81,35 +115,6 @@ class RayPolicy:
         ray.get(
             [a.setup.remote(str(model_dir), settings, rank, world, master, port) for rank, a in enumerate(self.actors)]
         )
-
-    # Collectives (ZeRO-3 gathers, gradient all-reduce) need every process in every call, so each
-    # call goes to all actors; rank 0's answer is the result.
-    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        return ray.get([a.logprobs.remote(batch) for a in self.actors])[0]
-
-    def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
-        return ray.get([a.update.remote(batch, rows_per_mini_batch) for a in self.actors])[0]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return ray.get([a.state_dict.remote() for a in self.actors])[0]
-
-    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        ray.get([a.save_hf.remote(out_dir, tokenizer_dir) for a in self.actors])
-
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        ray.get([a.save_checkpoint.remote(directory, tag, client_state) for a in self.actors])
-
-    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]:
-        return ray.get([a.load_checkpoint.remote(directory, tag) for a in self.actors])[0]
-
-    def rng_state(self) -> dict[str, Any]:
-        return ray.get([a.rng_state.remote() for a in self.actors])[0]
-
-    def weight_manifest(self) -> list:
-        return ray.get([a.weight_manifest.remote() for a in self.actors])[0]
-
-    def broadcast_weights(self, group) -> None:
-        ray.get([a.broadcast_weights.remote(group) for a in self.actors])
 
     def broadcast_address(self) -> str:
         """Where rank 0 runs: the NCCL weight group's store listens there."""

@@ -8,8 +8,9 @@ scored like fresh samples (`experience.py`) -> advantages over each mixed group 
 of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
 to every rollout replica. M=0 is the baseline, on the same path.
 
-The policy object does the tensor work (a local `DeepSpeedPolicy`, or `RayPolicy` spreading it over
-DeepSpeed processes); everything else here is bookkeeping and service calls.
+The policy object (the `Policy` Protocol of policy_interface.py) does the tensor work (a local
+`DeepSpeedPolicy`, or `RayPolicy` spreading it over DeepSpeed processes); everything else here is bookkeeping
+and service calls. Each step returns a `StepRecord` (records.py), which is also logged and sent to the gauges.
 
 Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
 process SIGKILLs itself right after that step's checkpoint is written, as a crash would.
@@ -17,7 +18,6 @@ process SIGKILLs itself right after that step's checkpoint is written, as a cras
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -26,7 +26,6 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,10 +36,12 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import DataCursor, Question
 from rlep.services.learner.experience import ReplayReport
 from rlep.services.learner.metrics import LearnerMetrics
+from rlep.services.learner.policy_interface import Policy
+from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
 from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
-from rlep.services.weights.nccl import BroadcastGroup
+from rlep.services.weights.transport import setup_weight_transport
 
 __all__ = ["Policy", "ServiceClients", "Trainer"]
 
@@ -48,20 +49,6 @@ log = logging.getLogger(__name__)
 
 # The resume test kills the learner at a known point instead of racing a poll of the step log.
 KILL_AFTER_CHECKPOINT_ENV = "RLEP_FAULT_KILL_AFTER_CHECKPOINT"
-
-
-class Policy(Protocol):
-    def logprobs(self, batch: ExperienceBatch) -> torch.Tensor: ...
-    def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]: ...
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
-    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None: ...
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None: ...
-    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]: ...
-    def rng_state(self) -> dict[str, Any]: ...
-    # GPU weight broadcast (weight_sync.transport = nccl); RayPolicy implements them.
-    def weight_manifest(self) -> list: ...
-    def broadcast_weights(self, group: BroadcastGroup) -> None: ...
-    def broadcast_address(self) -> str: ...
 
 
 class Trainer:
@@ -75,7 +62,7 @@ class Trainer:
         tokenizer: PolicyTokenizer,
         metrics: LearnerMetrics | None = None,
         eval_questions: list[Question] | None = None,
-        on_step: Callable[[dict], None] | None = None,
+        on_step: Callable[[LogRecord], None] | None = None,
     ):
         self.config, self.model_dir, self.questions, self.policy = config, model_dir, questions, policy
         self.services, self.tokenizer, self.metrics = services, tokenizer, metrics
@@ -87,8 +74,8 @@ class Trainer:
         algo = config.algorithm
         if (algo.replayed_per_question > 0 or algo.online_replay) and services.replay is None:
             raise ValueError("M > 0 or online replay needs a replay service")
-        self._nccl_groups: dict[tuple[str, ...], BroadcastGroup] = {}
-        self._manifest: list | None = None  # tensor names, dtypes, shapes (fixed for a run)
+        # The NCCL transport keeps its groups and the manifest across pushes: one instance for the run.
+        self._weight_transport = setup_weight_transport(config.weight_sync, policy)
         self.inputs = StepInputs(config, questions, self.cursor, services, tokenizer)
         self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
 
@@ -113,7 +100,7 @@ class Trainer:
         self.push_weights()
         if self.step == 0 and self.eval_questions and self.config.eval.every_steps:
             # Where the run starts from: step 0 of the accuracy curve.
-            self._publish({"step": 0, "policy_version": self.version, "eval_accuracy": self.evaluate()}, StepTimer())
+            self._publish(EvalRecord(step=0, policy_version=self.version, eval_accuracy=self.evaluate()))
 
     def sync_rollout(self) -> None:
         """Brings replicas that (re)joined since the last push to our version before they serve again."""
@@ -128,31 +115,11 @@ class Trainer:
 
     def push_weights(self) -> None:
         """The policy's weights to every serving replica as `self.version`, by the configured transport."""
-        sync, rollout = self.config.weight_sync, self.services.rollout
-        if sync.transport != "nccl":
-            rollout.push_weights(self.policy.state_dict(), self.version, transport=sync.transport)
-            return
-        # GPU only, not exercised by CI. One NCCL group per set of replicas, each on its own port.
-        replicas = tuple(r.address for r in rollout.serving())
-        group = self._nccl_groups.get(replicas)
-        if group is None:
-            size = 1 + len(replicas) * sync.workers_per_replica
-            group = BroadcastGroup(self.policy.broadcast_address(), sync.nccl_port + len(self._nccl_groups), size)
-            self._nccl_groups[replicas] = group
-        self._manifest = self._manifest or self.policy.weight_manifest()
-        rollout.push_weights_broadcast(
-            self._manifest, self.version, group, lambda: self.policy.broadcast_weights(group), sync.workers_per_replica
-        )
+        # The state dict is passed unread: the NCCL transport never gathers it here.
+        self.services.rollout.push_weights(self.policy.state_dict, self.version, transport=self._weight_transport)
 
     # -- one step ----------------------------------------------------------------------------
-    def run(self, steps: int | None = None) -> list[dict]:
-        records = []
-        target = self.config.steps if steps is None else steps
-        while self.step < target:
-            records.append(self.train_step())
-        return records
-
-    def train_step(self) -> dict:
+    def train_step(self) -> StepRecord:
         algo, timer = self.config.algorithm, StepTimer()
         started = time.perf_counter()
         with timer.phase("rollout"):
@@ -175,10 +142,12 @@ class Trainer:
         if algo.online_replay:
             self._add_successes(gathered.fresh)
         self.step += 1
-        record = self._record(gathered, replay, batch, stats, timer, time.perf_counter() - started)
+        seconds = time.perf_counter() - started  # the evaluation below is not part of the step's time
+        eval_accuracy = None
         if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
-            record["eval_accuracy"] = self.evaluate()
-        self._publish(record, timer)
+            eval_accuracy = self.evaluate()
+        record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy)
+        self._publish(record)
         ckpt = self.config.checkpoint
         if ckpt.dir and (self.step % ckpt.every_steps == 0 or self.step == self.config.steps):
             self.save_checkpoint()
@@ -207,37 +176,51 @@ class Trainer:
         outcomes = self.services.verifier.verify(items)
         return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
 
-    def _record(self, gathered: Gathered, replay: ReplayReport, batch, stats, timer: StepTimer, seconds: float) -> dict:
+    def _record(
+        self,
+        gathered: Gathered,
+        replay: ReplayReport,
+        batch: ExperienceBatch,
+        stats: dict[str, float],
+        timer: StepTimer,
+        seconds: float,
+        eval_accuracy: float | None,
+    ) -> StepRecord:
         flat = [t for group in gathered.fresh for t in group]
-        return {
-            "step": self.step,
-            "policy_version": self.version,
-            "reward_mean": float(np.mean([t.reward for t in flat])),
-            "fresh_accuracy": float(np.mean([t.verdict == Verdict.CORRECT for t in flat])),
-            "replayed_fraction": float(batch.replayed.float().mean()),
+        return StepRecord(
+            step=self.step,
+            policy_version=self.version,
+            reward_mean=float(np.mean([t.reward for t in flat])),
+            fresh_accuracy=float(np.mean([t.verdict == Verdict.CORRECT for t in flat])),
+            replayed_fraction=float(batch.replayed.float().mean()),
             **replay.record(),
-            "advantage_mean": float(batch.advantages.mean()),
-            "advantage_std": float(batch.advantages.std()) if batch.size > 1 else 0.0,
-            **{key: stats[key] for key in ("clip_fraction", "approx_kl", "entropy", "loss", "lr")},
-            "optimizer_steps": stats.get("optimizer_steps"),
-            "response_length_mean": float(np.mean([len(t.response_token_ids) for t in flat])),
-            "sequences": batch.size,
-            "prompts_truncated": gathered.prompts_truncated,
-            "generation_rounds": gathered.rounds,
-            "questions_generated": gathered.questions_generated,
-            "groups_filtered": gathered.groups_filtered,
-            "step_seconds": seconds,
-            "phase_seconds": dict(timer.seconds),
-            "question_ids": [q.question_id for q in gathered.questions],
-        }
+            advantage_mean=float(batch.advantages.mean()),
+            advantage_std=float(batch.advantages.std()) if batch.size > 1 else 0.0,
+            clip_fraction=stats["clip_fraction"],
+            approx_kl=stats["approx_kl"],
+            entropy=stats["entropy"],
+            loss=stats["loss"],
+            lr=stats["lr"],
+            optimizer_steps=stats.get("optimizer_steps"),
+            response_length_mean=float(np.mean([len(t.response_token_ids) for t in flat])),
+            sequences=batch.size,
+            prompts_truncated=gathered.prompts_truncated,
+            generation_rounds=gathered.rounds,
+            questions_generated=gathered.questions_generated,
+            groups_filtered=gathered.groups_filtered,
+            step_seconds=seconds,
+            phase_seconds=dict(timer.seconds),
+            question_ids=[q.question_id for q in gathered.questions],
+            eval_accuracy=eval_accuracy,
+        )
 
-    def _publish(self, record: dict, timer: StepTimer) -> None:
+    def _publish(self, record: LogRecord) -> None:
         if self.metrics:
-            self.metrics.record({k: v for k, v in record.items() if isinstance(v, int | float)}, timer.seconds)
+            self.metrics.record(record)
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(format_record(record) + "\n")
         if self.on_step:
             self.on_step(record)
 

@@ -13,6 +13,8 @@ import json
 import pytest
 import torch
 
+from rlep.services.learner.records import StepRecord, read_step_log
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
@@ -22,10 +24,11 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def demo_run(ray_local, tmp_path_factory):
-    from rlep.services.cli.demo import DemoConfig, run_demo
+    from rlep.services.cli.demo import load_demo_config, run_demo
 
     out = tmp_path_factory.mktemp("demo")
-    config = DemoConfig(
+    # configs/demo.yaml with smaller sizes (its lr, response length and training settings are kept).
+    sizes = dict(
         seed=5,
         out_dir=out,
         warmup_steps=150,
@@ -38,6 +41,7 @@ def demo_run(ray_local, tmp_path_factory):
         replayed_per_question=2,
         collect_samples=8,
     )
+    config = load_demo_config(flags=sizes)
     return config, run_demo(config, show_progress=False)
 
 
@@ -52,8 +56,8 @@ def test_demo_writes_table_plot_and_results(demo_run):
     # Same warm-up model, same seed, same evaluation: both curves start at the same point.
     assert saved["baseline_curve"][0] == saved["rlep_curve"][0]
     for run in ("baseline", "rlep"):  # the table's step time is the mean of the run's logged step times
-        log = [json.loads(line) for line in (config.out_dir / run / "log.jsonl").read_text().splitlines()]
-        times = [r["step_seconds"] for r in log if "step_seconds" in r]
+        log = read_step_log(config.out_dir / run / "log.jsonl")
+        times = [r.step_seconds for r in log if isinstance(r, StepRecord)]
         assert len(times) == config.steps
         assert summary[f"{run}_step_seconds"] == pytest.approx(sum(times) / len(times))
 
@@ -74,10 +78,10 @@ def test_both_runs_start_from_the_warmup_checkpoint(demo_run):
 
 def test_rlep_replays_what_the_baseline_collected(demo_run):
     config, summary = demo_run
-    baseline = [json.loads(line) for line in (config.out_dir / "baseline" / "log.jsonl").read_text().splitlines()]
-    rlep = [json.loads(line) for line in (config.out_dir / "rlep" / "log.jsonl").read_text().splitlines()]
-    assert all(r.get("replayed_fraction", 0.0) == 0.0 for r in baseline)
+    baseline = [r for r in read_step_log(config.out_dir / "baseline" / "log.jsonl") if isinstance(r, StepRecord)]
+    rlep = [r for r in read_step_log(config.out_dir / "rlep" / "log.jsonl") if isinstance(r, StepRecord)]
+    assert all(r.replayed_fraction == 0.0 for r in baseline)
     assert summary["collect"]["questions_kept"] > 0, "the warm-up model should solve some training questions"
-    assert any(r.get("replayed_fraction", 0.0) > 0.0 for r in rlep)
+    assert any(r.replayed_fraction > 0.0 for r in rlep)
     cap = config.replayed_per_question / (config.fresh_per_question + config.replayed_per_question)
-    assert all(r.get("replayed_fraction", 0.0) <= cap + 1e-9 for r in rlep)
+    assert all(r.replayed_fraction <= cap + 1e-9 for r in rlep)

@@ -107,7 +107,7 @@ def test_rollout_replica_killed_mid_step(fault_setup):
         pytest.fail("the killed rollout replica did not come back within 300 s")
     trainer.train_step()
     assert trainer.services.rollout.versions() == [trainer.version, trainer.version]
-    assert record["sequences"] == 80
+    assert record.sequences == 80
 
 
 def test_verifier_worker_crash_mid_step_costs_nothing(fault_setup):
@@ -136,5 +136,5 @@ def test_verifier_worker_crash_mid_step_costs_nothing(fault_setup):
     (count, outcomes), (replayed_count, replayed_outcomes) = seen
     assert len(outcomes) == count == 64 and len(replayed_outcomes) == replayed_count == 16
     assert not [o for o in outcomes + replayed_outcomes if o.verdict == Verdict.ERROR]
-    assert record["sequences"] == 80 and record["replay_used"] == 16
+    assert record.sequences == 80 and record.replay_used == 16
     assert ray.get(stack.actor("verifier").pids.remote()) != pids  # the dead worker was replaced

@@ -15,6 +15,7 @@ import torch
 
 from rlep.common.dataset import question_id
 from rlep.common.types import Trajectory, Verdict
+from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -132,7 +133,7 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     before = loop_stack.services.rollout.versions()
     scraped, refused = [], []
 
-    def scrape_metrics(record: dict) -> None:
+    def scrape_metrics(record: StepRecord) -> None:
         """Runs inside the step loop: the server is up while training runs."""
         try:
             scrape(config.metrics_port)
@@ -145,24 +146,24 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     assert refused == [401] * 3
     for record, text in scraped:
         for key, series in (("step", "rlep_learner_step"), ("policy_version", "rlep_learner_policy_version")):
-            assert series_value(text, series) == record[key], series
+            assert series_value(text, series) == getattr(record, key), series
         for key in ("reward_mean", "replayed_fraction", "replay_used", "replay_requested", "advantage_std"):
-            assert series_value(text, f"rlep_learner_{key}") == pytest.approx(record[key]), key
-        for phase, seconds in record["phase_seconds"].items():
+            assert series_value(text, f"rlep_learner_{key}") == pytest.approx(getattr(record, key)), key
+        for phase, seconds in record.phase_seconds.items():
             assert series_value(text, f'rlep_learner_step_seconds{{phase="{phase}"}}') == pytest.approx(seconds)
-    totals = {phase: sum(r["phase_seconds"][phase] for r in records) for phase in records[0]["phase_seconds"]}
+    totals = {phase: sum(r.phase_seconds[phase] for r in records) for phase in records[0].phase_seconds}
     for phase, seconds in totals.items():
         assert series_value(scraped[-1][1], f'rlep_learner_phase_seconds_total{{phase="{phase}"}}') == pytest.approx(
             seconds
         )
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r.step for r in records] == [1, 2, 3]
     algo = config.algorithm
     expected_fraction = algo.replayed_per_question / (algo.fresh_per_question + algo.replayed_per_question)
-    assert all(r["replayed_fraction"] == pytest.approx(expected_fraction) for r in records)
-    assert all(r["sequences"] == algo.questions_per_step * 6 for r in records)
+    assert all(r.replayed_fraction == pytest.approx(expected_fraction) for r in records)
+    assert all(r.sequences == algo.questions_per_step * 6 for r in records)
     # Every replica ends on the learner's final version, one push per step after the initial one.
-    assert loop_stack.services.rollout.versions() == [records[-1]["policy_version"]]
-    assert records[-1]["policy_version"] == max(before) + 1 + 3
+    assert loop_stack.services.rollout.versions() == [records[-1].policy_version]
+    assert records[-1].policy_version == max(before) + 1 + 3
     # The weights moved: the final checkpoint differs from the starting model.
     from safetensors.torch import load_file
 
@@ -170,15 +171,13 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     final = load_file(str(tmp_path / "ckpt" / "step_3" / "hf" / "model.safetensors"))
     changed = [k for k in start if not torch.equal(start[k], final[k])]
     assert len(changed) == len(start), f"unchanged tensors: {set(start) - set(changed)}"
-    log = [json.loads(line) for line in (tmp_path / "ckpt" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3]
-    assert all(set(r["phase_seconds"]) == {"rollout", "verify", "replay", "train", "weight_push"} for r in log)
+    log = read_step_log(tmp_path / "ckpt" / "log.jsonl")
+    assert log == records  # the log holds the returned records, every field as it was
+    assert all(set(r.phase_seconds) == {"rollout", "verify", "replay", "train", "weight_push"} for r in log)
 
 
-def _log_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _log_steps(path: Path) -> list[LogRecord]:
+    return read_step_log(path) if path.exists() else []
 
 
 # pyproject's per-test timeout is 600 s; the module's stack may start inside it (first test to run).
@@ -247,26 +246,26 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     env = {**os.environ, KILL_AFTER_CHECKPOINT_ENV: "2"}
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_left(started))
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    assert [r["step"] for r in _log_steps(log_path)] == [1, 2]  # killed right after the step-2 checkpoint
+    assert [r.step for r in _log_steps(log_path)] == [1, 2]  # killed right after the step-2 checkpoint
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=_left(started))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     records = _log_steps(log_path)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]  # continued from the step-2 checkpoint, nothing redone
+    assert [r.step for r in records] == [1, 2, 3, 4]  # continued from the step-2 checkpoint, nothing redone
     questions = load_questions([tmp_path / "train.parquet"])
     cursor = DataCursor(len(questions), config["seed"], shuffle=True)
     schedule = [[questions[i].question_id for i in cursor.next_indices(4)] for _ in range(4)]
-    assert [r["question_ids"] for r in records] == schedule
+    assert [r.question_ids for r in records] == schedule
     assert services.replay.stats(config["replay_pool"]).trajectories == pool_before  # the pool is untouched
 
     # The same run without the kill, on the same services: same rewards, same weights, same optimizer state.
     checkpoint = {**config["checkpoint"], "dir": str(tmp_path / "reference")}
     reference = TrainConfig.model_validate({**config, "endpoints": {}, "checkpoint": checkpoint})
     uninterrupted = run_training(reference, stack=loop_stack, show_progress=False)
-    assert [r["question_ids"] for r in uninterrupted] == schedule
-    assert [r["reward_mean"] for r in uninterrupted] == [r["reward_mean"] for r in records]
+    assert [r.question_ids for r in uninterrupted] == schedule
+    assert [r.reward_mean for r in uninterrupted] == [r.reward_mean for r in records]
     final = load_file(str(tmp_path / "ckpt" / "step_4" / "hf" / "model.safetensors"))
     expected = load_file(str(tmp_path / "reference" / "step_4" / "hf" / "model.safetensors"))
     assert _assert_same_tree(final, expected) == len(expected)
@@ -364,7 +363,7 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
 
     algo = config.algorithm
     requested = algo.questions_per_step * algo.replayed_per_question
-    assert (records[0]["replay_used"], records[0]["replay_retokenized"]) == (requested, requested)
+    assert (records[0].replay_used, records[0].replay_retokenized) == (requested, requested)
     assert replay.stats(config.replay_pool).trajectories == 2 * len(rows)
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "with-pool.parquet"]) == 0  # idempotent
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "plain.parquet"]) == 0  # no candidates

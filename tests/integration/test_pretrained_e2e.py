@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from rlep.common.config import ServerConfig
 from rlep.services.cli.app import app
+from rlep.services.learner.records import read_step_log
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -127,18 +128,18 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     run_cli("train", "--config", str(config_file))
     train_seconds = time.perf_counter() - started
 
-    records = [json.loads(line) for line in (tmp_path / "ckpt" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
+    records = read_step_log(tmp_path / "ckpt" / "log.jsonl")
+    assert [r.step for r in records] == [1, 2]
     for r in records:
         # Every question has >= M text-only candidates: all of them reach the batch, re-tokenised.
-        assert r["replayed_fraction"] == pytest.approx(M / (G + M))
-        assert (r["replay_requested"], r["replay_used"], r["replay_retokenized"]) == (QUESTIONS * M,) * 3
-        assert r["replay_dropped"] == {} and r["replay_failed_verification"] == 0
+        assert r.replayed_fraction == pytest.approx(M / (G + M))
+        assert (r.replay_requested, r.replay_used, r.replay_retokenized) == (QUESTIONS * M,) * 3
+        assert r.replay_dropped == {} and r.replay_failed_verification == 0
     # 2 x (G + M) = 8 rows per step in mini-batches of 1 x G = 2 rows: 4 optimizer steps per step, counted on.
-    assert [r["optimizer_steps"] for r in records] == [4.0, 8.0]
+    assert [r.optimizer_steps for r in records] == [4.0, 8.0]
     # The replicas serve the learner's final weights.
     rollout = RolloutClient([smollm2_rollout], token=auth_token_file.read_text().strip(), timeout_s=300)
-    assert rollout.versions() == [records[-1]["policy_version"]]
+    assert rollout.versions() == [records[-1].policy_version]
     # The weights moved.
     from safetensors.torch import load_file
 

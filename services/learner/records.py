@@ -1,0 +1,100 @@
+"""What the learner logs per step: `StepRecord` (a training step) and `EvalRecord` (the evaluation of the
+starting weights, step 0), their JSONL form and the reading of a step log back.
+
+The JSONL form is a contract (the demo compares logs of runs, dashboards read them): one JSON object per
+line, keys in field order, `eval_accuracy` present only on the steps that evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EvalRecord", "LogRecord", "StepRecord", "format_record", "parse_record", "read_step_log"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step, as `Trainer.train_step` returns and logs it."""
+
+    step: int
+    """Training steps completed, this one included."""
+    policy_version: int
+    """Weight version pushed to rollout after this step."""
+    reward_mean: float
+    """Mean reward of the step's fresh samples (shaping included)."""
+    fresh_accuracy: float
+    """Fraction of the step's fresh samples verified correct."""
+    replayed_fraction: float
+    """Replayed responses / all responses trained on."""
+    replay_requested: int
+    replay_received: int
+    replay_used: int
+    replay_retokenized: int
+    replay_truncated: int
+    replay_failed_verification: int
+    replay_dropped: dict[str, int]
+    """Replayed answers left out, by reason (`experience.ReplayReport`)."""
+    advantage_mean: float
+    advantage_std: float
+    clip_fraction: float
+    approx_kl: float
+    entropy: float
+    loss: float
+    lr: float
+    optimizer_steps: float | None
+    """Optimizer steps since the start of training (None when the policy does not report them)."""
+    response_length_mean: float
+    """Mean fresh response length in tokens."""
+    sequences: int
+    """Rows trained on (fresh and replayed)."""
+    prompts_truncated: int
+    generation_rounds: int
+    questions_generated: int
+    groups_filtered: int
+    step_seconds: float
+    phase_seconds: dict[str, float]
+    """Seconds per phase (rollout, verify, replay, train, weight_push)."""
+    question_ids: list[str]
+    """The questions trained on, in batch order."""
+    eval_accuracy: float | None = None
+    """Held-out accuracy after this step; None (and absent from the log) on steps without an evaluation."""
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        if self.eval_accuracy is None:
+            del record["eval_accuracy"]
+        return record
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """The evaluation of the weights a run starts from, logged before its first step."""
+
+    step: int
+    policy_version: int
+    eval_accuracy: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+LogRecord = StepRecord | EvalRecord
+
+
+def parse_record(line: dict[str, Any]) -> LogRecord:
+    """The record a JSONL line holds (an evaluation-only line has no training figures)."""
+    return EvalRecord(**line) if line.keys() == {f.name for f in dataclasses.fields(EvalRecord)} else StepRecord(**line)
+
+
+def format_record(record: LogRecord) -> str:
+    """One JSONL line (no newline)."""
+    return json.dumps(record.to_json())
+
+
+def read_step_log(path: Path) -> list[LogRecord]:
+    """Every record of a JSONL step log, in order."""
+    return [parse_record(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
