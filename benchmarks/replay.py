@@ -17,7 +17,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +24,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 STEP_QUESTIONS = 512
 FILLER = "Let x be the unknown. Expanding both sides and collecting terms gives a quadratic in x. "

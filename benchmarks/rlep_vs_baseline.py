@@ -36,17 +36,15 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="DemoConfig override, key=value")
     args = parser.parse_args()
 
-    from rlep.common.config import parse_override
-    from rlep.services.cli.demo import DemoConfig, run_demo
+    from rlep.services.cli.demo import load_demo_config, run_demo
 
-    overrides = dict(parse_override(s) for s in args.sets)
     results = []
     for seed in args.seeds:
         out = args.out / f"seed{seed}"
         if (out / "results.json").exists():  # finished earlier: reuse (delete the folder to rerun)
             results.append(json.loads((out / "results.json").read_text()))
             continue
-        results.append(run_demo(DemoConfig.model_validate({**overrides, "seed": seed, "out_dir": str(out)})))
+        results.append(run_demo(load_demo_config(sets=args.sets, flags={"seed": seed, "out_dir": out})))
 
     def column(key: str) -> list[float]:
         return [float(r[key]) for r in results if r.get(key) is not None]

@@ -22,14 +22,12 @@ import multiprocessing as mp
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 Items = list[tuple[str, str]]
@@ -52,11 +50,11 @@ WARMUP_ITEMS = 150
 
 
 def _timed_share(share: Items, warmup: Items, barrier, results) -> None:
-    from rlep.services.verifier.core import _parse_gold, check_answer
+    from rlep.services.verifier.core import check_answer, clear_gold_cache
 
     for response, gold in warmup:
         check_answer(response, gold)
-    _parse_gold.cache_clear()
+    clear_gold_cache()
     barrier.wait()  # every process starts its share at the same moment
     started = time.perf_counter()
     for response, gold in share:

@@ -17,11 +17,7 @@ import collections
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ITEM = ("\\boxed{\\sum_{n=1}^{\\infty} \\frac{1}{n^2}}", "\\frac{\\pi^2}{6}")
 

@@ -1,7 +1,8 @@
 """Config plumbing shared by every service: strict pydantic models and layered loading.
 
-Precedence, lowest first: model defaults < YAML file < environment (`RLEP_<NAME>__a__b=value`,
-for Kubernetes) < command-line overrides (dotted paths, e.g. `server.port=50061`).
+`load_config` is how every command and service builds its config. Precedence, lowest first: model
+defaults < YAML file < environment (`RLEP_<NAME>__a__b=value`, for Kubernetes) < command-line
+overrides (`--set` dotted paths, e.g. `server.port=50061`, then named flags).
 Values from the environment and the command line are parsed as YAML scalars ("3" -> 3).
 A section that any layer sets only in part keeps its model default for the rest: replay's
 `server` defaults to port 50062, so `server.host=0.0.0.0` leaves the port at 50062.
@@ -9,9 +10,11 @@ A section that any layer sets only in part keeps its model default for the rest:
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -107,7 +110,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
-def env_overrides(prefix: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Reads `RLEP_<PREFIX>__SECTION__FIELD=value` variables into dotted overrides."""
     environ = dict(os.environ) if environ is None else environ
     head = f"RLEP_{prefix.upper()}__"
@@ -120,23 +123,48 @@ def env_overrides(prefix: str, environ: dict[str, str] | None = None) -> dict[st
 
 def load_config(
     cls: type[ConfigT],
-    path: Path | None = None,
-    overrides: dict[str, Any] | None = None,
+    path: Path | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
     env_prefix: str | None = None,
-    environ: dict[str, str] | None = None,
+    sets: Sequence[str] | None = None,
+    base: Path | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ConfigT:
-    """Builds a config of type `cls` from defaults, a YAML file, the environment and overrides."""
+    """The one way a command or service builds its config of type `cls`. Layers, lowest first:
+
+    model defaults < `base` (a YAML of defaults kept with the package, e.g. configs/demo.yaml) < `path` (the
+    user's YAML file, or the already-parsed mapping a Ray Serve config carries) < environment
+    (`RLEP_<ENV_PREFIX>__A__B=value`) < `sets` (`--set a.b=value` texts) < `overrides` (dotted path -> value,
+    e.g. a named option; None = not given, so the layers below decide).
+
+    Raises:
+        ValueError: a malformed layer or an invalid result (pydantic's ValidationError is a ValueError).
+    """
     data: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: top level must be a mapping")
-        data = loaded or {}
-    layers = [env_overrides(env_prefix, environ) if env_prefix else {}, overrides or {}]
-    for layer in layers:
+    for layer in (base, path):
+        data = deep_merge(data, _read_layer(layer))
+    flags = {dotted: value for dotted, value in (overrides or {}).items() if value is not None}
+    dotted_layers = [
+        env_overrides(env_prefix, environ) if env_prefix else {},
+        dict(parse_override(text) for text in sets or ()),
+        {dotted: str(value) if isinstance(value, Path) else value for dotted, value in flags.items()},
+    ]
+    for layer in dotted_layers:
         for dotted, value in layer.items():
             _set_dotted(data, dotted, value)
     return cls.model_validate(_with_section_defaults(cls, data))
+
+
+def _read_layer(source: Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):  # a copy: the layers above are written into it
+        return copy.deepcopy(dict(source))
+    loaded = yaml.safe_load(Path(source).read_text())
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ValueError(f"{source}: top level must be a mapping")
+    return loaded or {}
 
 
 def _with_section_defaults(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
@@ -156,15 +184,16 @@ def _with_section_defaults(cls: type[BaseModel], data: dict[str, Any]) -> dict[s
         if "type" in given and given["type"] != getattr(default, "type", given["type"]):
             continue
         base = default.model_dump(exclude_unset=True)
-        merged[key] = _with_section_defaults(type(default), _deep_merge(base, given))
+        merged[key] = _with_section_defaults(type(default), deep_merge(base, given))
     return merged
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `top` written over it, section by section (a key both set to mappings is merged, not replaced)."""
     out = dict(base)
     for key, value in top.items():
         both_dicts = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _deep_merge(out[key], value) if both_dicts else value
+        out[key] = deep_merge(out[key], value) if both_dicts else value
     return out
 
 

@@ -75,49 +75,32 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any fi
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as JSON and exit.")]
 
 
-def _resolve(
-    service: str,
-    config: Path | None,
-    host: str | None,
-    port: int | None,
-    token: Path | None,
-    metrics_port: int | None,
-    sets: list[str] | None,
-) -> Any:
-    from rlep.common.config import load_config, parse_override
+# `rlep serve` flags -> the `server` field each sets. A flag sets only its own field; the rest of `server` keeps
+# the service's defaults (load_config).
+SERVER_FLAGS = {
+    "--host": "host",
+    "--port": "port",
+    "--auth-token-file": "auth_token_file",
+    "--metrics-port": "metrics_port",
+}
 
-    # Each flag sets only its own field; the rest of `server` keeps the service's defaults (load_config).
-    overrides = dict(parse_override(s) for s in sets or [])
-    flags = {
-        "--host": ("server.host", host),
-        "--port": ("server.port", port),
-        "--auth-token-file": ("server.auth_token_file", token),
-        "--metrics-port": ("server.metrics_port", metrics_port),
-    }
+
+def _resolve(service: str, config: Path | None, flags: dict[str, Any], sets: list[str] | None) -> Any:
+    """The service's config: defaults < `config` < env (`RLEP_<SERVICE>__...`) < `--set` < `flags` (None: unset)."""
+    from rlep.common.config import load_config
+
     config_cls = _load(SERVICES[service].config_class)
     server_fields = config_cls.model_fields["server"].annotation.model_fields
-    for flag, (dotted, value) in flags.items():
-        if value is None:
-            continue
-        field = dotted.split(".")[1]
-        if field not in server_fields:
+    for flag, field in SERVER_FLAGS.items():
+        if flags[flag] is not None and field not in server_fields:
             raise ValueError(f"{flag} does not apply to {service}: its server section has no {field} field")
-        overrides[dotted] = str(value) if isinstance(value, Path) else value
-    return load_config(config_cls, config, overrides, env_prefix=service)
+    overrides = {f"server.{field}": flags[flag] for flag, field in SERVER_FLAGS.items()}
+    return load_config(config_cls, config, overrides, env_prefix=service, sets=sets)
 
 
-def _serve(
-    service: str,
-    config: Path | None,
-    host: str | None,
-    port: int | None,
-    token: Path | None,
-    metrics_port: int | None,
-    sets: list[str] | None,
-    dry_run: bool,
-) -> None:
+def _serve(service: str, config: Path | None, flags: dict[str, Any], sets: list[str] | None, dry_run: bool) -> None:
     try:
-        resolved = _resolve(service, config, host, port, token, metrics_port, sets)
+        resolved = _resolve(service, config, flags, sets)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
         raise typer.BadParameter(str(err)) from err
     if dry_run:
@@ -141,7 +124,8 @@ def _add_serve_command(service: str, help_text: str) -> None:
         set_: SetOpt = None,
         dry_run: DryRunOpt = False,
     ) -> None:
-        _serve(service, config, host, port, auth_token_file, metrics_port, set_, dry_run)
+        flags = {"--host": host, "--port": port, "--auth-token-file": auth_token_file, "--metrics-port": metrics_port}
+        _serve(service, config, flags, set_, dry_run)
 
     serve_app.command(service, help=help_text)(command)
 
@@ -178,30 +162,31 @@ def eval_command(
     datasets: Annotated[
         str, typer.Option(help="Comma-separated built-in names or server-side file paths, each NAME or NAME:LIMIT.")
     ],
-    n: Annotated[int, typer.Option(help="Samples per question.")] = 1,
-    temperature: Annotated[float, typer.Option(help="Temperature in [0, 2]; 0 is greedy, needs --n 1.")] = 0.6,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per sample.")] = 1024,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    n: Annotated[int | None, typer.Option(help="Samples per question.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Temperature in [0, 2]; 0 is greedy, needs --n 1.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="New tokens per sample.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     server: Annotated[str, typer.Option(help="Base URL of the eval service.")] = "http://127.0.0.1:8080",
     auth_token_file: Annotated[Path | None, typer.Option(help="Bearer token file of the eval service.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the finished job as JSON instead of a table.")] = False,
 ) -> None:
-    """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N."""
+    """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N.
+
+    Sampling options left out are left out of the request, so they take the defaults of the service's request
+    schema (EvaluationRequest in services/eval/api.py; a running service shows them at /docs).
+    """
     from pydantic import ValidationError
 
     from rlep.services.cli.eval import parse_datasets, run_eval
     from rlep.services.eval.api import EvaluationRequest
 
+    options = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
     try:
         request = EvaluationRequest(
             model=model,
             datasets=parse_datasets(datasets),
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            seed=seed,
+            **{name: value for name, value in options.items() if value is not None},
         )
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from err

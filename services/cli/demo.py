@@ -16,72 +16,89 @@ import json
 import time
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SerializationInfo, field_serializer
 
-from rlep.common.config import StrictModel
+from rlep.common.config import CONFIG_DIR, StrictModel, deep_merge, load_config
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.records import LogRecord, StepRecord
+
+# The demo's settings; `rlep demo --config FILE` is read over them.
+DEMO_CONFIG_FILE = CONFIG_DIR / "demo.yaml"
 
 
 class DemoConfig(StrictModel):
-    """Sizes of the miniature protocol. Defaults were measured at 13-14 minutes on 2 CPU cores."""
+    """Sizes of the miniature protocol. Every value comes from configs/demo.yaml (load_demo_config)."""
 
-    seed: int = 0
-    out_dir: Path = Path("rlep-demo")
-    warmup_steps: int = Field(400, ge=0)
-    """Supervised steps before RL: 400 gives ~20% pass@1 at T=1 (150 gives ~9%, where RL barely moves)."""
-    train_questions: int = Field(512, ge=8)
-    eval_questions: int = Field(256, ge=8)
-    eval_samples: int = Field(4, ge=1)
+    seed: int
+    """Seed of the data, the warm-up and both RL runs."""
+    out_dir: Path
+    """Where checkpoints, results.json and accuracy.png go."""
+    warmup_steps: int = Field(ge=0)
+    """Supervised steps before RL."""
+    train_questions: int = Field(ge=8)
+    """Generated training problems (the RL runs and the collection draw from them)."""
+    eval_questions: int = Field(ge=8)
+    """Held-out problems each evaluation scores."""
+    eval_samples: int = Field(ge=1)
     """Samples per held-out question at each evaluation (T=1); accuracy is their mean."""
-    steps: int = Field(100, ge=1)
+    steps: int = Field(ge=1)
     """S: RL steps of each run."""
-    eval_every: int = Field(5, ge=1)
-    questions_per_step: int = Field(16, ge=1)
-    fresh_per_question: int = Field(8, ge=1)
-    replayed_per_question: int = Field(2, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    max_response_tokens: int = Field(40, ge=8)
-    collect_samples: int = Field(16, ge=2)
-    """N: samples per training question in the collection phase (paper: 64)."""
+    eval_every: int = Field(ge=1)
+    """Steps between evaluations."""
+    questions_per_step: int = Field(ge=1)
+    """B: questions per RL step; also the runs' `mini_batch_questions`."""
+    fresh_per_question: int = Field(ge=1)
+    """G: fresh rollouts per question."""
+    replayed_per_question: int = Field(ge=1)
+    """M of the RLEP run (the baseline runs with 0)."""
+    lr: float = Field(gt=0)
+    """Learning rate of both runs."""
+    max_response_tokens: int = Field(ge=8)
+    """Generation limit of both runs and of the collection."""
+    collect_samples: int = Field(ge=2)
+    """N: samples per training question in the collection phase."""
+    train: TrainConfig
+    """What both RL runs share. demo_train_config sets each run's names, paths and the sizes above over it."""
+
+    @field_serializer("train")
+    def _set_fields_only(self, train: TrainConfig, info: SerializationInfo) -> dict:
+        # Only what the file set: the rest are TrainConfig defaults (or per-run values), noise in results.json.
+        return train.model_dump(mode=info.mode, exclude_unset=True)
+
+
+def load_demo_config(path: Path | None = None, sets: list[str] | None = None, flags: dict | None = None) -> DemoConfig:
+    """configs/demo.yaml < `path` < env (`RLEP_DEMO__STEPS=20`) < `sets` (`steps=20`) < `flags` (None: unset)."""
+    return load_config(DemoConfig, path, flags, env_prefix="demo", sets=sets, base=DEMO_CONFIG_FILE)
 
 
 def demo_train_config(
     demo: DemoConfig, run_id: str, replayed: int, model: Path, data: Path, eval_data: Path
 ) -> TrainConfig:
     """Both runs start from `model` (the warm-up checkpoint) and differ only in M (`replayed`)."""
-    return TrainConfig.model_validate(
-        {
-            "run_id": run_id,
-            "model": str(model),
-            "seed": demo.seed,
-            "steps": demo.steps,
-            "replay_pool": f"demo-seed{demo.seed}",
-            "algorithm": {
-                "questions_per_step": demo.questions_per_step,
-                "fresh_per_question": demo.fresh_per_question,
-                "replayed_per_question": replayed,
-                "max_response_tokens": demo.max_response_tokens,
-                "overlong_buffer_tokens": 8,
-                "mini_batch_questions": demo.questions_per_step,
-            },
-            "optim": {"lr": demo.lr, "warmup_steps": 2, "weight_decay": 0.0, "micro_batch_size": 64},
-            "deepspeed": {"zero_stage": 2},
-            "checkpoint": {"dir": str(demo.out_dir / run_id), "every_steps": demo.steps},
-            "data": {"train_files": [str(data)]},
-            "eval": {
-                "every_steps": demo.eval_every,
-                "files": [str(eval_data)],
-                "samples_per_question": demo.eval_samples,
-                "temperature": 1.0,
-                "max_questions": demo.eval_questions,
-            },
-            "local": {
-                "rollout_cpus": 0.5,
-                "learner_cpus": 1.0,
-                "rollout_engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256},
-            },
-        }
-    )
+    run = {
+        "run_id": run_id,
+        "model": str(model),
+        "seed": demo.seed,
+        "steps": demo.steps,
+        "replay_pool": f"demo-seed{demo.seed}",
+        "algorithm": {
+            "questions_per_step": demo.questions_per_step,
+            "fresh_per_question": demo.fresh_per_question,
+            "replayed_per_question": replayed,
+            "max_response_tokens": demo.max_response_tokens,
+            "mini_batch_questions": demo.questions_per_step,
+        },
+        "optim": {"lr": demo.lr},
+        "checkpoint": {"dir": str(demo.out_dir / run_id), "every_steps": demo.steps},
+        "data": {"train_files": [str(data)]},
+        "eval": {
+            "every_steps": demo.eval_every,
+            "files": [str(eval_data)],
+            "samples_per_question": demo.eval_samples,
+            "max_questions": demo.eval_questions,
+        },
+    }
+    return TrainConfig.model_validate(deep_merge(demo.train.model_dump(exclude_unset=True), run))
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -89,12 +106,12 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, accuracy in curve if accuracy >= target), None)
 
 
-def summarize(baseline: list[dict], rlep: list[dict]) -> dict:
-    def curve(records):
-        return [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+def summarize(baseline: list[LogRecord], rlep: list[LogRecord]) -> dict:
+    def curve(records: list[LogRecord]) -> list[tuple[int, float]]:
+        return [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
 
-    def step_time(records):
-        times = [r["step_seconds"] for r in records if "step_seconds" in r]
+    def step_time(records: list[LogRecord]) -> float:
+        times = [r.step_seconds for r in records if isinstance(r, StepRecord)]
         return sum(times) / len(times) if times else 0.0
 
     base_curve, rlep_curve = curve(baseline), curve(rlep)
@@ -207,8 +224,8 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     return summary
 
 
-def _run(run_training, config: TrainConfig, stack, show_progress: bool) -> list[dict]:
-    records: list[dict] = []
+def _run(run_training, config: TrainConfig, stack, show_progress: bool) -> list[LogRecord]:
+    records: list[LogRecord] = []
     run_training(config, stack=stack, on_step=records.append, show_progress=show_progress)
     return records
 

@@ -17,13 +17,11 @@ RayOpt = Annotated[str | None, typer.Option("--ray-address", help="Join this Ray
 
 def load_train_config(config: Path | None, sets: list[str] | None, flags: dict | None = None):
     """defaults < file < env < --set < `flags` (dotted paths of named options; None = not given)."""
-    from rlep.common.config import load_config, parse_override
+    from rlep.common.config import load_config
     from rlep.services.learner.config import TrainConfig
 
     try:
-        overrides = dict(parse_override(s) for s in sets or [])
-        overrides.update({key: value for key, value in (flags or {}).items() if value is not None})
-        return load_config(TrainConfig, config, overrides, env_prefix="train")
+        return load_config(TrainConfig, config, flags, env_prefix="train", sets=sets)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 
@@ -49,8 +47,8 @@ def train(
     if records:
         last = records[-1]
         typer.echo(
-            f"step {last['step']}: fresh accuracy {last['fresh_accuracy']:.3f}, reward {last['reward_mean']:+.3f}, "
-            f"policy version {last['policy_version']}"
+            f"step {last.step}: fresh accuracy {last.fresh_accuracy:.3f}, reward {last.reward_mean:+.3f}, "
+            f"policy version {last.policy_version}"
         )
 
 
@@ -167,29 +165,30 @@ def collect(
 
 
 def demo(
-    seed: Annotated[int, typer.Option(help="Seed of the data, the warm-up and both RL runs.")] = 0,
-    out_dir: Annotated[Path, typer.Option(help="Where checkpoints, results.json and accuracy.png go.")] = Path(
-        "rlep-demo"
-    ),
-    set_: SetOpt = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of every phase (config: seed).")] = None,
+    out_dir: Annotated[Path | None, typer.Option(help="Output folder (config: out_dir).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="Demo settings YAML, read over configs/demo.yaml.", exists=True),
+    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override any setting: --set steps=20")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and exit.")] = False,
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
-    from rlep.common.config import dump_config_json, parse_override
-    from rlep.services.cli.demo import DemoConfig
+    from rlep.common.config import dump_config_json
+    from rlep.services.cli.demo import load_demo_config
 
-    overrides = dict(parse_override(s) for s in set_ or [])
     try:
-        config = DemoConfig.model_validate({"seed": seed, "out_dir": str(out_dir), **overrides})
+        resolved = load_demo_config(config, set_, {"seed": seed, "out_dir": out_dir})
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     if dry_run:
-        typer.echo(dump_config_json(config))
+        typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.services.cli.demo import run_demo
 
-    run_demo(config)
+    run_demo(resolved)
 
 
 def register(app: typer.Typer) -> None:

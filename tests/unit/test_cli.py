@@ -117,3 +117,63 @@ def test_train_dry_run_masks_the_replay_redis_password():
     assert result.exit_code == 0, result.output
     assert "s3cret-pw" not in result.output
     assert json.loads(result.output)["local"]["replay_redis_url"] == "redis://:***@redis.example:6379/0"
+
+
+def test_demo_reads_a_file_over_its_defaults_then_env_and_flags(tmp_path):
+    """configs/demo.yaml < --config < RLEP_DEMO__* < --set < --seed/--out-dir."""
+    path = tmp_path / "demo.yaml"
+    path.write_text("steps: 20\neval_every: 4\ntrain:\n  optim:\n    warmup_steps: 3\n")
+    env = {"RLEP_DEMO__EVAL_EVERY": "2", "RLEP_DEMO__SEED": "9"}
+    result = runner.invoke(app, ["demo", "--config", str(path), "--seed", "4", "--dry-run"], env=env)
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output)
+    assert (config["steps"], config["eval_every"], config["seed"]) == (20, 2, 4)
+    assert config["lr"] == 1e-4 and config["out_dir"] == "rlep-demo"  # from configs/demo.yaml
+    # The shared training section merges too: the file's warm-up beside the defaults' other optim settings.
+    assert config["train"]["optim"] == {"warmup_steps": 3, "weight_decay": 0.0, "micro_batch_size": 64}
+
+
+def test_eval_options_left_out_take_the_request_defaults(monkeypatch):
+    """`rlep eval` writes no sampling default of its own: what is not given is EvaluationRequest's."""
+    from rlep.services.cli import eval as eval_cli
+    from rlep.services.eval.api import DatasetRequest, EvaluationRequest
+
+    sent = []
+    monkeypatch.setattr(eval_cli, "run_eval", lambda server, token, request, as_json: sent.append(request))
+    base = ["eval", "--model", "current", "--datasets", "amc23"]
+    assert runner.invoke(app, base).exit_code == 0
+    assert runner.invoke(app, [*base, "--n", "4", "--temperature", "1.0", "--seed", "7"]).exit_code == 0
+    datasets = [DatasetRequest(name="amc23")]
+    assert sent[0] == EvaluationRequest(model="current", datasets=datasets)
+    assert sent[1] == EvaluationRequest(model="current", datasets=datasets, n=4, temperature=1.0, seed=7)
+    assert (sent[1].top_p, sent[1].max_tokens) == (sent[0].top_p, sent[0].max_tokens)
+
+
+def test_collect_flags_left_out_take_the_config_defaults(tmp_path, monkeypatch):
+    """`rlep collect` writes no CollectConfig default of its own: an unset flag leaves the config's value."""
+    from rlep.services.cli.train import _collect_config
+    from rlep.services.learner.config import CollectConfig
+
+    data = tmp_path / "q.parquet"
+    data.write_bytes(b"")
+    flags = {"data.train_files": [str(data)], "collect.samples_per_question": None, "collect.temperature": 0.5}
+    resolved = _collect_config(None, None, flags).collect
+    assert resolved == CollectConfig(temperature=0.5)
+
+
+def test_demo_runs_take_the_shared_settings_and_differ_only_in_m_and_names(tmp_path):
+    from rlep.services.cli.demo import demo_train_config, load_demo_config
+
+    demo = load_demo_config(flags={"out_dir": tmp_path})
+    paths = (tmp_path / "warmup", tmp_path / "train.parquet", tmp_path / "eval.parquet")
+    baseline = demo_train_config(demo, "baseline", 0, *paths).model_dump()
+    rlep = demo_train_config(demo, "rlep", demo.replayed_per_question, *paths).model_dump()
+    assert baseline["algorithm"]["replayed_per_question"] == 0 and rlep["algorithm"]["replayed_per_question"] == 2
+    for config in (baseline, rlep):  # configs/demo.yaml's `train` section beside the per-run sizes
+        assert config["optim"] == {**config["optim"], "lr": 1e-4, "warmup_steps": 2, "micro_batch_size": 64}
+        assert config["algorithm"]["overlong_buffer_tokens"] == 8 and config["algorithm"]["mini_batch_questions"] == 16
+        assert config["local"]["rollout_engine"]["dtype"] == "float32" and config["local"]["rollout_cpus"] == 0.5
+        assert (config["steps"], config["eval"]["every_steps"], config["eval"]["temperature"]) == (100, 5, 1.0)
+    for key in ("run_id", "checkpoint", "algorithm"):
+        del baseline[key], rlep[key]
+    assert baseline == rlep

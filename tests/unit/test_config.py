@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # Config files of jobs rather than services: file stem -> config class.
-JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig"}
+JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig", "demo": "rlep.services.cli.demo:DemoConfig"}
 
 
 def test_every_config_file_parses():
@@ -44,6 +44,40 @@ def test_precedence_defaults_file_env_cli(tmp_path):
     assert config.server.port == 2222  # env beats file
     assert config.item_timeout_s == 7  # command line beats env
     assert config.server.host == "127.0.0.1"  # default: loopback
+
+
+def test_precedence_of_base_file_env_sets_and_flags(tmp_path):
+    """base < file < env < --set < flags; a flag of None is not given, so the layers below decide."""
+    base, path = tmp_path / "base.yaml", tmp_path / "v.yaml"
+    base.write_text("num_workers: 5\nmax_answer_chars: 9\nreward_correct: 2\nreward_wrong: -0.5\n")
+    path.write_text("num_workers: 3\n")
+    environ = {"RLEP_VERIFIER__MAX_ANSWER_CHARS": "8", "RLEP_VERIFIER__REWARD_CORRECT": "3"}
+    config = load_config(
+        VerifierConfig,
+        path,
+        {"reward_correct": 4, "reward_wrong": None},
+        env_prefix="verifier",
+        sets=["max_answer_chars=7", "reward_correct=1"],
+        base=base,
+        environ=environ,
+    )
+    assert config.reward_wrong == -0.5  # base (the flag is None: not given)
+    assert config.num_workers == 3  # file beats base
+    assert config.max_answer_chars == 7  # --set beats env
+    assert config.reward_correct == 4  # flag beats --set
+    with pytest.raises(ValueError, match="key.path=value"):
+        load_config(VerifierConfig, sets=["novalue"])
+
+
+def test_a_mapping_is_the_file_layer_and_is_left_unchanged():
+    """Ray Serve passes the config section of its YAML already parsed: it gets the env layer like a file."""
+    given = {"server": {"host": "0.0.0.0"}}
+    environ = {"RLEP_REPLAY__SERVER__GRPC_THREADS": "4"}
+    from rlep.services.replay.config import ReplayConfig
+
+    config = load_config(ReplayConfig, given, env_prefix="replay", environ=environ)
+    assert (config.server.host, config.server.grpc_threads, config.server.port) == ("0.0.0.0", 4, 50062)
+    assert given == {"server": {"host": "0.0.0.0"}}
 
 
 def test_unknown_keys_and_bad_values_are_rejected(tmp_path):

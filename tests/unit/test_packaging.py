@@ -1,8 +1,8 @@
 """The wheel built from the repository is the whole product: every module, config, proto and dataset is in
 it, and it works from a folder that is not a checkout (no `../proto`, no `../configs` to fall back on).
 
-The wheel is built from a copy of the tracked files (the checkout is left as it is) and unpacked; a
-subprocess started outside the checkout imports `rlep` from there, ahead of the editable install.
+The wheel is built from a copy of the files git tracks or would track (the checkout is left as it is) and
+unpacked; a subprocess started outside the checkout imports `rlep` from there, ahead of the editable install.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tests.unit.test_architecture import ROOT, source_modules
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("source")
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    listing = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    tracked = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout
     for name in filter(None, tracked.decode().split("\0")):
         if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not part of it
             (source / name).parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,7 @@ def test_every_module_and_data_file_is_in_the_wheel(wheel):
     assert missing == []
     data = {
         "rlep/configs/recipes/rlep.yaml",
+        "rlep/configs/demo.yaml",
         "rlep/configs/verifier.yaml",
         "rlep/common/v1/trajectory.proto",
         "rlep/replay/v1/replay.proto",
