@@ -106,10 +106,21 @@ def read_verl_parquet(path: Path | str, source: str | None = None, limit: int | 
     return [_verl_question(row, source, index) for index, row in enumerate(rows[:limit])]
 
 
+def verl_prompt(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A verl row's chat prompt (some exports keep it as plain text: one user message)."""
+    prompt = row.get("prompt") or []
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def verl_question_id(row: Mapping[str, Any], prompt: Iterable[Mapping[str, str]]) -> str:
+    """A file of ours keeps the id it was exported with (`extra_info.question_id`); others get the prompt's."""
+    extra = row.get("extra_info")
+    kept_id = extra.get("question_id") if isinstance(extra, dict) else None
+    return str(kept_id) if kept_id else question_id(prompt)
+
+
 def _verl_question(row: dict[str, Any], source: str, index: int) -> Question:
-    prompt, reward_model, extra = row["prompt"], row["reward_model"], row.get("extra_info")
-    if isinstance(prompt, str):  # some exports keep the prompt as plain text
-        prompt = [{"role": "user", "content": prompt}]
+    prompt, reward_model = verl_prompt(row), row["reward_model"]
     if not prompt or not all(isinstance(m, dict) and m.get("role") and m.get("content") for m in prompt):
         raise DatasetError(f"{source}: row {index}: prompt must be a non-empty list of {{role, content}}")
     gold = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
@@ -120,5 +131,4 @@ def _verl_question(row: dict[str, Any], source: str, index: int) -> Question:
     except DatasetError as err:
         raise DatasetError(f"{source}: row {index}: {err}") from err
     question = chat_question(prompt, answer, row.get("data_source") or "")
-    kept_id = extra.get("question_id") if isinstance(extra, dict) else None
-    return replace(question, question_id=str(kept_id)) if kept_id else question
+    return replace(question, question_id=verl_question_id(row, prompt))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlep.common.dataset import question_id
+from rlep.common.dataset import verl_prompt, verl_question_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
 
@@ -34,13 +34,11 @@ def read_pool_rows(path: Path, pool: str, batch_rows: int = ROW_BATCH) -> Iterat
     for batch in parquet.iter_batches(batch_size=batch_rows):
         chunk = replay_pb2.PoolChunk(pool=pool)
         for row in batch.to_pylist():
-            prompt = row.get("prompt") or []
-            if isinstance(prompt, str):  # some exports keep the prompt as plain text
-                prompt = [{"role": "user", "content": prompt}]
+            prompt = verl_prompt(row)
             source = row.get("data_source") or ""
             reward_model = row.get("reward_model") or {}
             extra = row.get("extra_info") or {}
-            qid = extra.get("question_id") or question_id(prompt)  # ours keep the id they had
+            qid = verl_question_id(row, prompt)
             chunk.questions.add(
                 question_id=qid,
                 ground_truth=str(reward_model.get("ground_truth", "")),

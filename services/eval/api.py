@@ -7,7 +7,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlep.services.eval.core import CURRENT_POLICY
-from rlep.services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE
+from rlep.services.rollout.types import MAX_TEMPERATURE, greedy_problem
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -59,11 +59,8 @@ class EvaluationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _greedy_takes_one_sample(self) -> EvaluationRequest:
-        if self.temperature < GREEDY_BELOW and self.n > 1:
-            raise ValueError(
-                f"temperature={self.temperature:g} is greedy decoding (below {GREEDY_BELOW:g}): all n={self.n} samples "
-                "would be the same response; use n=1, or a temperature above 0 to sample n responses"
-            )
+        if problem := greedy_problem(self.n, self.temperature):
+            raise ValueError(problem)
         return self
 
 

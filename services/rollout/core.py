@@ -26,7 +26,7 @@ from typing import Any
 from rlep.common.files import sha256_file
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.config import RolloutConfig
-from rlep.services.rollout.types import GREEDY_BELOW, MAX_TEMPERATURE, Sampling
+from rlep.services.rollout.types import MAX_TEMPERATURE, Sampling, greedy_problem
 from rlep.services.weights.nccl import manifest_bytes, manifest_digest
 from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header
 from rlep.services.weights.staging import WORKER_PREFIX, staged_file
@@ -40,16 +40,6 @@ HEADER_SLACK_BYTES = 16 * 1024 * 1024
 
 
 # -- Generate ----------------------------------------------------------------------------------
-def greedy_problem(n: int, temperature: float) -> str | None:
-    """Why greedy sampling with n > 1 is refused, or None."""
-    if temperature < GREEDY_BELOW and n > 1:
-        return (
-            f"greedy sampling gives n identical samples; send n=1 or temperature > 0 "
-            f"(got n={n}, temperature={temperature:g}; below {GREEDY_BELOW:g} vLLM samples greedily)"
-        )
-    return None
-
-
 def sampling_from_request(request: rollout_pb2.GenerateRequest, config: RolloutConfig) -> Sampling:
     """The request's `Sampling`, or ValueError naming the field and its limit."""
     s = request.sampling

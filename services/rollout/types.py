@@ -13,6 +13,16 @@ MAX_TEMPERATURE = 2.0
 GREEDY_BELOW = 1e-5
 
 
+def greedy_problem(n: int, temperature: float) -> str | None:
+    """Why greedy sampling with n > 1 is refused, or None."""
+    if temperature < GREEDY_BELOW and n > 1:
+        return (
+            f"greedy sampling gives n identical samples; send n=1 or temperature > 0 "
+            f"(got n={n}, temperature={temperature:g}; below {GREEDY_BELOW:g} vLLM samples greedily)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Sampling:
     n: int = 1

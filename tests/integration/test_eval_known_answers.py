@@ -246,9 +246,9 @@ def test_one_authorization_header_with_any_case_of_bearer(eval_over_standin, sta
     [
         (
             {"temperature": 0, "n": 4},
-            "temperature=0 is greedy decoding (below 1e-05): all n=4 samples would be the same",
+            "greedy sampling gives n identical samples; send n=1 or temperature > 0 (got n=4, temperature=0;",
         ),
-        ({"temperature": 1e-6, "n": 2}, "temperature=1e-06 is greedy decoding"),
+        ({"temperature": 1e-6, "n": 2}, "(got n=2, temperature=1e-06; below 1e-05 vLLM samples greedily)"),
         ({"temperature": 2.5}, "Input should be less than or equal to 2"),
         ({"temperature": -0.1}, "Input should be greater than or equal to 0"),
         ({"top_p": 0}, "Input should be greater than 0"),

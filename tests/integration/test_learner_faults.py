@@ -94,8 +94,8 @@ def test_rollout_replica_killed_mid_step(fault_setup):
     second = trainer.train_step()
     assert victim_replica.stub.killed.is_set(), "the step sent no shard to the victim"
     assert client.failovers > failovers, "no shard was retried on the other replica"
-    assert second["step"] == first["step"] + 1
-    assert second["sequences"] == 8 * (8 + 2)  # nothing lost: every question got all G fresh samples
+    assert second.step == first.step + 1
+    assert second.sequences == 8 * (8 + 2)  # nothing lost: every question got all G fresh samples
 
     # Serve restarts the replica; the next step brings it to the learner's version before it serves.
     deadline = time.monotonic() + 300

@@ -181,7 +181,7 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     )  # fmt: skip
     assert json.loads((tmp_path / "collect-state.json").read_text())["questions"] == QUESTIONS
     print(f"\nSmolLM2-135M: rlep train, 2 RLEP steps: {train_seconds:.0f} s in all; step seconds "
-          f"{[round(r['step_seconds'], 1) for r in records]}")  # fmt: skip
+          f"{[round(r.step_seconds, 1) for r in records]}")  # fmt: skip
     rollout.close()
     for name in (pool, f"{pool}-collect"):
         if name in replay_client.list_pools():

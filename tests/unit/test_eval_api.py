@@ -18,8 +18,11 @@ def test_greedy_decoding_takes_one_sample():
     with pytest.raises(ValidationError) as err:
         EvaluationRequest(model="current", datasets=AMC3, n=4, temperature=0)
     [error] = err.value.errors()
-    assert "temperature=0 is greedy decoding (below 1e-05): all n=4 samples would be the same response" in error["msg"]
-    with pytest.raises(ValidationError, match="temperature=5e-06 is greedy decoding"):
+    assert (
+        "greedy sampling gives n identical samples; send n=1 or temperature > 0 (got n=4, temperature=0;"
+        in error["msg"]
+    )
+    with pytest.raises(ValidationError, match=r"\(got n=\d+, temperature=5e-06; below 1e-05"):
         EvaluationRequest(model="current", datasets=AMC3, n=2, temperature=5e-6)
     assert EvaluationRequest(model="current", datasets=AMC3, n=1, temperature=0).n == 1
     assert EvaluationRequest(model="current", datasets=AMC3, n=2, temperature=1e-5).n == 2
