@@ -126,7 +126,10 @@ def test_throughput_holds_after_bad_inputs(verifier_client, verifier, shared_dat
     assert _metric(verifier, auth_token_file, restarts) == restarts_before + bad_restarts  # none on good input
     assert after["checked"] - before["checked"] == len(batch) and after["resent"] == before["resent"]
     shares = [a - b for a, b in zip(after["checked_by_worker"], before["checked_by_worker"], strict=True)]
-    assert min(shares) >= len(batch) // 4, shares  # both workers work: none was left dead or stuck
+    # Both workers work: none was left dead or stuck (it would check nothing). Not an even split: a replaced
+    # worker starts with cold sympy/math-verify caches, so its first items are slower (measured 45 of 200 in a
+    # full suite run on 2 busy cores, ~100 alone).
+    assert min(shares) >= len(batch) // 10, shares
 
 
 def test_worker_killed_mid_batch_loses_no_item(verifier_client, verifier, shared_data, auth_token_file):
