@@ -44,7 +44,7 @@ def _compile(out_root: Path, roots: Roots) -> dict[Path, Path]:
     try:
         from grpc_tools import protoc
     except ImportError as exc:
-        raise RuntimeError("generating stubs needs grpcio-tools (pip install 'rlep[dev]')") from exc
+        raise RuntimeError("generating stubs needs grpcio-tools: pip install 'rlep[proto]'") from exc
 
     files = proto_files(roots)
     args = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
@@ -134,12 +135,21 @@ for _service, _entry in SERVICES.items():
     _add_serve_command(_service, _entry.help)
 
 
+def _without_traceback(run: Callable[[], Any]) -> Any:
+    """The result of `run`; a missing tool or a protoc failure is a message and exit code 2, not a traceback."""
+    try:
+        return run()
+    except RuntimeError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+
+
 @proto_app.command("gen")
 def proto_gen() -> None:
     """Regenerate the Python stubs next to every .proto file."""
     from rlep.common.protogen import generate
 
-    written = generate()
+    written = _without_traceback(generate)
     folders = sorted({str(path.parent.parent.parent) for path in written})
     typer.echo(f"wrote {len(written)} files under {', '.join(folders)}")
 
@@ -149,7 +159,7 @@ def proto_check() -> None:
     """Fail if the committed stubs differ from what the .proto files generate."""
     from rlep.common.protogen import stale_stubs
 
-    stale = stale_stubs()
+    stale = _without_traceback(stale_stubs)
     if stale:
         typer.echo("stale stubs (run `rlep proto gen`): " + ", ".join(stale), err=True)
         raise typer.Exit(1)

@@ -177,3 +177,13 @@ def test_demo_runs_take_the_shared_settings_and_differ_only_in_m_and_names(tmp_p
     for key in ("run_id", "checkpoint", "algorithm"):
         del baseline[key], rlep[key]
     assert baseline == rlep
+
+
+def test_proto_commands_without_grpcio_tools_say_what_to_install(monkeypatch):
+    """A plain `pip install rlep` has no grpcio-tools: a message and exit code 2, not a traceback."""
+    monkeypatch.setitem(sys.modules, "grpc_tools", None)  # makes `import grpc_tools` fail
+    for command in (["proto", "check"], ["proto", "gen"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert "needs grpcio-tools: pip install 'rlep[proto]'" in result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
