@@ -29,7 +29,7 @@ from pathlib import Path
 from rlep.common.types import FinishReason
 from rlep.services.rollout.config import EngineConfig
 from rlep.services.rollout.types import Generation, SampleOut, Sampling
-from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm
+from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm, weight_reload_problem
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ class RolloutEngine:
     def __init__(self, config: EngineConfig, initial_version: int = 0, max_batch_prompts: int = 4096):
         from vllm import LLM
 
+        if problem := weight_reload_problem():  # refuse to start, rather than fail at the first weight push
+            raise RuntimeError(problem)
         kwargs = engine_kwargs(config)
         self.model_path = kwargs["model"]
         self._llm = LLM(**kwargs, worker_extension_cls=WORKER_EXTENSION)

