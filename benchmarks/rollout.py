@@ -6,8 +6,10 @@
    same machine load. Prints tokens/s of each (medians) and the ratio (goal >= 0.95).
 2. Weight push, for the tiny model and a ~100M-parameter config: `RolloutClient.push_weights` over
    both file transports (`StreamTransport`: streamed bytes, `SharedFileTransport`: shared-memory file)
-   vs writing the same tensors with `safetensors.torch.save_file` and loading them back into the model
-   (goal: push <= 2x raw).
+   vs writing the same tensors with `safetensors.torch.save_file` to the same (shared-memory) filesystem
+   and loading them back into the model (goal: push <= 2x raw). The three are alternated round by round
+   (at least 5 rounds, each in a rotated order) so they see the same machine load; medians and the
+   min-max spread are printed, since a single raw figure swung 0.26-0.90 s between runs.
 
     python benchmarks/rollout.py [--prompts 64] [--n 8] [--max-tokens 64] [--repeats 3] [--eager]
 """
@@ -113,24 +115,37 @@ def push_timings(args, client, model_dir: Path) -> dict:
         state.pop("lm_head.weight", None)
     params = sum(t.numel() for t in state.values())
     version = client.versions()[0]
-    result = {"params": params}
-    for name, transport in (("stream", StreamTransport()), ("shared_file", SharedFileTransport())):
-        timings = []
-        for _ in range(args.repeats):
-            version += 1
-            started = time.perf_counter()
-            client.push_weights(state, version, transport=transport)
-            timings.append(time.perf_counter() - started)
-        result[name] = statistics.median(timings)
-    timings = []
-    for _ in range(args.repeats):
+
+    def raw_save_load() -> None:
         with tempfile.TemporaryDirectory(dir=default_staging_dir()) as tmp:
-            started = time.perf_counter()
             save_file(state, f"{tmp}/w.safetensors")
             # load_file maps the file lazily; copying into a model is what makes it a load.
             model.load_state_dict(load_file(f"{tmp}/w.safetensors"), strict=False)
-            timings.append(time.perf_counter() - started)
-    result["raw_save_load"] = statistics.median(timings)
+
+    def pusher(transport):
+        def push() -> None:
+            nonlocal version
+            version += 1
+            client.push_weights(state, version, transport=transport)
+
+        return push
+
+    runs = {
+        "raw_save_load": raw_save_load,
+        "stream": pusher(StreamTransport()),
+        "shared_file": pusher(SharedFileTransport()),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for round_index in range(max(args.repeats, 5)):
+        for name in names[round_index % 3 :] + names[: round_index % 3]:  # rotated: no one always goes first
+            started = time.perf_counter()
+            runs[name]()
+            timings[name].append(time.perf_counter() - started)
+    result: dict = {"params": params, "rounds": len(timings["stream"])}
+    for name, values in timings.items():
+        result[name] = statistics.median(values)
+        result[f"{name}_spread"] = [min(values), max(values)]
     return result
 
 
@@ -192,7 +207,7 @@ def report(args, results: dict) -> None:
         f" (goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})"
     )
 
-    pushes = Table(title="weight push (median seconds) vs safetensors save_file + load_file")
+    pushes = Table(title="weight push vs safetensors save_file + load_file: median seconds (min-max), alternated")
     for column in ("model", "params", "stream", "shared_file", "raw save+load", "stream/raw", "shared/raw"):
         pushes.add_column(column, justify="right")
     for preset in ("tiny", "100m"):
@@ -200,9 +215,10 @@ def report(args, results: dict) -> None:
         pushes.add_row(
             preset,
             f"{p['params'] / 1e6:.1f}M",
-            f"{p['stream']:.3f}",
-            f"{p['shared_file']:.3f}",
-            f"{p['raw_save_load']:.3f}",
+            *(
+                f"{p[k]:.3f} ({p[k + '_spread'][0]:.2f}-{p[k + '_spread'][1]:.2f})"
+                for k in ("stream", "shared_file", "raw_save_load")
+            ),
             f"{p['stream'] / p['raw_save_load']:.2f}",
             f"{p['shared_file'] / p['raw_save_load']:.2f}",
         )
