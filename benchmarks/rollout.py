@@ -31,7 +31,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # a log file gets whole tables, not 80 columns
 
 
 def workload(args) -> tuple[list[str], dict]:
