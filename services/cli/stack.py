@@ -14,8 +14,8 @@ from typing import Any
 import ray
 
 from rlep.common.files import read_token_file
+from rlep.common.ports import free_port
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.ray_policy import free_port
 from rlep.services.learner.trainer import ServiceClients
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ actor. Ray reads an actor's methods when `ray.remote` is applied, so they are ad
 from __future__ import annotations
 
 import inspect
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from rlep.common.ports import free_port
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.policy_interface import Policy, spread_calls
 
@@ -91,12 +91,6 @@ class PolicyProcess:
 
 
 PolicyActor = ray.remote(PolicyProcess)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @_with_fan_outs
