@@ -51,6 +51,7 @@ def run_training(
         seed_pool_from_candidates(services.replay, config.replay_pool, config.data.train_files)
     policy = RayPolicy(model_dir, config)
     metrics_server = _start_metrics(config)
+    trainer = None
     try:
         trainer = Trainer(
             config,
@@ -83,6 +84,8 @@ def run_training(
                 progress.update(task, completed=trainer.step, status=status)
         return records
     finally:
+        if trainer is not None:
+            trainer.close()
         policy.close()
         if metrics_server:
             metrics_server[0].stop()

@@ -71,6 +71,12 @@ class AlgorithmConfig(StrictModel):
     """Beyond the reference: add this run's new successes to the pool as they appear."""
     max_replayed_fraction: float | None = Field(None, gt=0, le=1)
     """Beyond the reference: cap on replayed / all responses of a group (None = no cap)."""
+    max_staleness: int = Field(0, ge=0)
+    """Beyond the reference (off by default): k >= 1 generates the next k steps' samples on a background
+    thread while the current step trains, on weights at most k versions older than the weights they train
+    (verl's one-step-off-policy recipe, prime-rl's async level). 0 = the paper's synchronous step. Groups
+    staler than k (e.g. from a replica that rejoined on old weights) are dropped and counted in the step
+    record. Old logprobs are recomputed under the learner's weights before the update (README, *Overlap*)."""
 
 
 class OptimConfig(StrictModel):

@@ -33,6 +33,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rlep_learner_groups_filtered",
         "Groups dropped by dynamic sampling last step (all rewards equal)",
     ),
+    "policy_staleness_max": (
+        "rlep_learner_policy_staleness",
+        "Most weight versions between a fresh sample's generation and its update last step (0 = on-policy)",
+    ),
+    "groups_dropped_stale": (
+        "rlep_learner_groups_dropped_stale",
+        "Fresh groups dropped last step for being staler than algorithm.max_staleness",
+    ),
     "advantage_mean": ("rlep_learner_advantage_mean", "Mean advantage over the step's responses"),
     "advantage_std": ("rlep_learner_advantage_std", "Std of the advantages over the step's responses"),
     "clip_fraction": ("rlep_learner_clip_fraction", "Fraction of tokens whose ratio was clipped"),
@@ -41,7 +49,7 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "response_length_mean": ("rlep_learner_response_length_mean", "Mean response length in tokens"),
     "eval_accuracy": ("rlep_learner_eval_accuracy", "Accuracy on the held-out evaluation set (last evaluation)"),
 }
-PHASES = ("rollout", "verify", "replay", "train", "weight_push")
+PHASES = ("rollout", "verify", "replay", "train", "weight_push", "rollout_wait")
 
 
 class LearnerMetrics:

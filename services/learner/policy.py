@@ -30,6 +30,9 @@ import torch
 from rlep.common.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
 from rlep.services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.weight_push import WeightPusher
+from rlep.services.rollout.client import PushResult, ReplicaTarget
+from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.nccl import BroadcastGroup, NcclWeightSender, manifest
 from rlep.services.weights.payload import TensorInfo
 
@@ -126,6 +129,7 @@ class DeepSpeedPolicy:
         self.optimizer_steps = 0
         self.training_steps = 0  # `update` calls: the warm-up clock
         self._sender: NcclWeightSender | None = None  # GPU weight broadcast, created on first use
+        self._pusher = WeightPusher()  # payload pushes from this process (rank 0)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -244,17 +248,35 @@ class DeepSpeedPolicy:
     # -- weights and checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names in the checkpoint's dtype (every rank must call it under ZeRO-3)."""
+        return self._full_weights(copy=True)
+
+    def _full_weights(self, copy: bool) -> dict[str, torch.Tensor]:
+        """The full weights; without `copy` (ZeRO 0-2 only) CPU tensors of the checkpoint's dtype are the
+        module's own, valid until the next update: for a push that reads them at once."""
         module = self.hf_model
         if self.config.deepspeed.zero_stage == 3:
             import deepspeed
 
+            # Gathered parameters live only inside this block: always copied out.
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         else:
-            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            if copy:
+                state = {k: v.clone() for k, v in state.items()}
         if self.tied:
             state.pop("lm_head.weight", None)  # the embedding carries it
         return {k: v.to(self.checkpoint_dtype) for k, v in state.items()}
+
+    def push_weights(self, target: ReplicaTarget, version: int, sync: WeightSyncConfig) -> PushResult | None:
+        """Rank 0 sends the full weights to the replicas of `target` itself (weight_push.py); under ZeRO-3 every
+        rank takes part in gathering them. Returns who took `version` (rank 0; None elsewhere)."""
+        if self.rank != 0 and self.config.deepspeed.zero_stage != 3:
+            return None
+        weights = self._full_weights(copy=False)
+        if self.rank != 0:
+            return None
+        return self._pusher.push(weights, target, version, sync)
 
     def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
         """An HF checkpoint (weights + config + `tokenizer_dir`'s tokenizer files) loadable by vLLM and transformers."""

@@ -15,6 +15,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from rlep.services.learner.batch import ExperienceBatch
+from rlep.services.rollout.client import PushResult, ReplicaTarget
+from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.nccl import BroadcastGroup
 from rlep.services.weights.payload import TensorInfo
 
@@ -48,6 +50,8 @@ class Policy(Protocol):
     def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]: ...
     @returns_rank0
     def state_dict(self) -> dict[str, torch.Tensor]: ...
+    @returns_rank0
+    def push_weights(self, target: ReplicaTarget, version: int, sync: WeightSyncConfig) -> PushResult | None: ...
     @returns_nothing
     def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None: ...
     @returns_nothing

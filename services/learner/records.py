@@ -57,9 +57,17 @@ class StepRecord:
     groups_filtered: int
     step_seconds: float
     phase_seconds: dict[str, float]
-    """Seconds per phase (rollout, verify, replay, train, weight_push)."""
+    """Seconds per phase (rollout, verify, replay, train, weight_push, rollout_wait). With `max_staleness` > 0,
+    rollout and verify ran on the background thread, overlapping training; rollout_wait is how long this step
+    waited for them."""
     question_ids: list[str]
     """The questions trained on, in batch order."""
+    policy_staleness_max: int = 0
+    """Most versions between the weights that generated a fresh sample and the weights it trained
+    (0 in synchronous steps; at most `algorithm.max_staleness`). Defaults read logs written before it."""
+    policy_staleness_mean: float = 0.0
+    groups_dropped_stale: int = 0
+    """Fresh groups left out because a sample was staler than `algorithm.max_staleness`."""
     eval_accuracy: float | None = None
     """Held-out accuracy after this step; None (and absent from the log) on steps without an evaluation."""
 

@@ -80,6 +80,9 @@ class Gathered:
     questions_generated: int = 0
     prompts_truncated: int = 0
     groups_filtered: int = 0
+    cursor_state: dict[str, int] = field(default_factory=dict)
+    """The data cursor right after this step's draws: what a checkpoint taken after this step resumes from
+    (the cursor itself may have moved on, when later steps were gathered ahead)."""
 
 
 class StepInputs:
@@ -128,6 +131,7 @@ class StepInputs:
                 kept.questions, kept.prompts, kept.fresh = last.questions, last.prompts, last.fresh
         limit = algo.questions_per_step
         kept.questions, kept.prompts, kept.fresh = kept.questions[:limit], kept.prompts[:limit], kept.fresh[:limit]
+        kept.cursor_state = self.cursor.state()
         return kept
 
     def _generate_round(self, step: int, round_index: int, count: int, timer: StepTimer) -> Gathered:

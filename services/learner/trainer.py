@@ -8,6 +8,13 @@ scored like fresh samples (`experience.py`) -> advantages over each mixed group 
 of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
 to every rollout replica. M=0 is the baseline, on the same path.
 
+With `algorithm.max_staleness` = k >= 1, generation and scoring of the next k steps run on a background
+thread while this step trains (overlap.py); the bound is checked per sample and recorded.
+
+Weights reach the replicas from the learner process that holds them: for the payload transports the policy's
+rank 0 writes and sends them itself (`Policy.push_weights`), so they never cross Ray's object store or this
+process; for NCCL this process starts the calls and rank 0 broadcasts.
+
 The policy object (the `Policy` Protocol of policy_interface.py) does the tensor work (a local
 `DeepSpeedPolicy`, or `RayPolicy` spreading it over DeepSpeed processes); everything else here is bookkeeping
 and service calls. Each step returns a `StepRecord` (records.py), which is also logged and sent to the gauges.
@@ -36,11 +43,14 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.data import DataCursor, Question
 from rlep.services.learner.experience import ReplayReport
 from rlep.services.learner.metrics import LearnerMetrics
+from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
 from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.rollout.client import Replica
 from rlep.services.rollout.types import Sampling
+from rlep.services.weights.config import AutoSyncConfig, NcclSyncConfig
 from rlep.services.weights.transport import setup_weight_transport
 
 __all__ = ["Policy", "ServiceClients", "Trainer"]
@@ -75,8 +85,11 @@ class Trainer:
         if (algo.replayed_per_question > 0 or algo.online_replay) and services.replay is None:
             raise ValueError("M > 0 or online replay needs a replay service")
         # The NCCL transport keeps its groups and the manifest across pushes: one instance for the run.
-        self._weight_transport = setup_weight_transport(config.weight_sync, policy)
+        nccl = isinstance(config.weight_sync, NcclSyncConfig)
+        self._broadcast = setup_weight_transport(config.weight_sync, policy) if nccl else None
         self.inputs = StepInputs(config, questions, self.cursor, services, tokenizer)
+        self._ahead = GatherAhead(self.inputs, algo.max_staleness, config.steps) if algo.max_staleness else None
+        self._trained_cursor: dict[str, int] | None = None  # the cursor after the last trained step's draws
         self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
 
     # -- start, resume, weights --------------------------------------------------------------
@@ -111,12 +124,23 @@ class Trainer:
         stale = [replica for replica, status in checked if status.policy_version != self.version]
         if stale:
             log.warning("bringing %d rollout replica(s) to version %d", len(stale), self.version)
-            rollout.push_weights(self.policy.state_dict(), self.version, replicas=stale)
+            self.push_weights(replicas=stale)
 
-    def push_weights(self) -> None:
-        """The policy's weights to every serving replica as `self.version`, by the configured transport."""
-        # The state dict is passed unread: the NCCL transport never gathers it here.
-        self.services.rollout.push_weights(self.policy.state_dict, self.version, transport=self._weight_transport)
+    def push_weights(self, replicas: list[Replica] | None = None) -> None:
+        """The policy's weights as `self.version` to every serving replica by the configured transport, or to
+        `replicas` (ones that rejoined) by auto."""
+        rollout = self.services.rollout
+        if replicas is None and self._broadcast is not None:
+            # The state dict is passed unread: the NCCL transport never gathers it here.
+            rollout.push_weights(self.policy.state_dict, self.version, transport=self._broadcast)
+            return
+        sync = self.config.weight_sync if replicas is None else AutoSyncConfig()
+        rollout.take_push_result(self.policy.push_weights(rollout.target(replicas), self.version, sync))
+
+    def close(self) -> None:
+        """Stops generating ahead (a gather already running finishes first)."""
+        if self._ahead is not None:
+            self._ahead.close()
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -124,7 +148,7 @@ class Trainer:
         started = time.perf_counter()
         with timer.phase("rollout"):
             self.sync_rollout()
-        gathered = self.inputs.gather(self.step, timer)
+        gathered, staleness, stale_groups = self._gather(timer)
         replay = ReplayReport()
         replayed = self.inputs.replayed(self.step, gathered, replay, timer)
         groups = [
@@ -142,16 +166,50 @@ class Trainer:
         if algo.online_replay:
             self._add_successes(gathered.fresh)
         self.step += 1
+        self._trained_cursor = gathered.cursor_state
         seconds = time.perf_counter() - started  # the evaluation below is not part of the step's time
         eval_accuracy = None
         if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
             eval_accuracy = self.evaluate()
-        record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy)
+        record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy, staleness, stale_groups)
         self._publish(record)
         ckpt = self.config.checkpoint
         if ckpt.dir and (self.step % ckpt.every_steps == 0 or self.step == self.config.steps):
             self.save_checkpoint()
         return record
+
+    def _gather(self, timer: StepTimer) -> tuple[Gathered, Staleness, int]:
+        """This step's fresh groups, generated now (synchronous) or ahead (max_staleness > 0), with their
+        staleness under the weights about to train; groups staler than the bound are left out."""
+        if self._ahead is None:
+            gathered = self.inputs.gather(self.step, timer)
+            return gathered, fresh_staleness(gathered.fresh, self.version), 0
+        bound = self.config.algorithm.max_staleness
+        gathered, generation = self._ahead.take(self.step, timer)
+        for phase in ("rollout", "verify"):
+            timer.seconds[phase] += generation.seconds[phase]  # ran on the background thread, overlapping
+        dropped = drop_stale_groups(gathered, self.version, bound)
+        if dropped:
+            log.warning(
+                "step %d: %d fresh group(s) were staler than max_staleness=%d and are left out%s",
+                self.step,
+                dropped,
+                bound,
+                "" if gathered.fresh else "; none was left, so this step generates again on current weights",
+            )
+        if not gathered.fresh:
+            self._ahead.discard()
+            with timer.phase("rollout"):
+                self.sync_rollout()
+            gathered = self.inputs.gather(self.step, timer)
+            dropped += drop_stale_groups(gathered, self.version, bound)
+            if not gathered.fresh:
+                raise RuntimeError(
+                    f"step {self.step}: every fresh sample is staler than max_staleness={bound} even when "
+                    f"generated after the replicas were brought to version {self.version}: a replica is not "
+                    "taking weight pushes"
+                )
+        return gathered, fresh_staleness(gathered.fresh, self.version), dropped
 
     def _add_successes(self, fresh: list[list[Trajectory]]) -> None:
         successes = [t for group in fresh for t in group if t.verdict == Verdict.CORRECT]
@@ -185,6 +243,8 @@ class Trainer:
         timer: StepTimer,
         seconds: float,
         eval_accuracy: float | None,
+        staleness: Staleness,
+        stale_groups: int,
     ) -> StepRecord:
         flat = [t for group in gathered.fresh for t in group]
         return StepRecord(
@@ -211,6 +271,9 @@ class Trainer:
             step_seconds=seconds,
             phase_seconds=dict(timer.seconds),
             question_ids=[q.question_id for q in gathered.questions],
+            policy_staleness_max=staleness.max,
+            policy_staleness_mean=staleness.mean,
+            groups_dropped_stale=stale_groups,
             eval_accuracy=eval_accuracy,
         )
 
@@ -229,7 +292,7 @@ class Trainer:
         tag = f"step_{self.step}"
         client_state = {
             "step": self.step,
-            "cursor": self.cursor.state(),
+            "cursor": self._trained_cursor or self.cursor.state(),
             "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),

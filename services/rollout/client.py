@@ -40,6 +40,27 @@ class Replica:
     stub: rollout_pb2_grpc.RolloutStub
 
 
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """How another process reaches a set of replicas: plain values, so it can cross to the learner's process
+    that holds the weights (which then pushes them itself: `RolloutClient.from_target`)."""
+
+    addresses: tuple[str, ...]
+    token: str | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Which replicas took a weight push and which were down (they get the weights when they are back)."""
+
+    version: int
+    updated: tuple[str, ...]
+    down: tuple[str, ...] = ()
+    replies: tuple[rollout_pb2.UpdateWeightsResponse, ...] = ()
+    """The replicas' answers, in the order of `updated`."""
+
+
 def prompt_to_proto(prompt: PromptLike) -> rollout_pb2.Prompt:
     if isinstance(prompt, str):
         return rollout_pb2.Prompt(text=prompt)
@@ -121,6 +142,16 @@ class RolloutClient:
     def _connect(self, address: str) -> Replica:
         channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
         return Replica(address, rollout_pb2_grpc.RolloutStub(channel))
+
+    @classmethod
+    def from_target(cls, target: ReplicaTarget) -> RolloutClient:
+        """A client of the replicas `target` names, e.g. in the learner process that pushes the weights."""
+        return cls(target.addresses, token=target.token, timeout_s=target.timeout_s)
+
+    def target(self, replicas: Sequence[Replica] | None = None) -> ReplicaTarget:
+        """The serving replicas (or `replicas`) as a `ReplicaTarget`, for a push made by another process."""
+        chosen = replicas if replicas is not None else self.serving()
+        return ReplicaTarget(tuple(r.address for r in chosen), self._token, self._timeout_s)
 
     @classmethod
     def from_ray(cls, app_name: str = "rlep-rollout", **kwargs) -> RolloutClient:
@@ -226,33 +257,53 @@ class RolloutClient:
     ) -> list[rollout_pb2.UpdateWeightsResponse]:
         """Brings every serving replica (or `replicas`) to `version`: a full, checkpoint-named state dict (or a
         function giving it) sent by `transport` (services/weights/transport.py; default `AutoTransport`: one
-        shared-memory file when every replica is on this host, else streamed over gRPC)."""
+        shared-memory file when every replica is on this host, else streamed over gRPC). A replica that is down
+        is taken out of serving until a check finds it back (see `take_push_result`)."""
         targets = list(replicas if replicas is not None else self.serving())
+        result = self.deliver_weights(state_dict, version, transport, targets)
+        self.take_push_result(result)
+        return list(result.replies)
+
+    def deliver_weights(
+        self,
+        state_dict: StateDictSource,
+        version: int,
+        transport: WeightTransport | None = None,
+        replicas: Sequence[Replica] | None = None,
+    ) -> PushResult:
+        """Sends one version to `replicas` (default: all of this client's) and says who took it; changes nothing
+        in this client. Raises RolloutError when none took it, and any error that is not a replica being down."""
+        targets = list(replicas if replicas is not None else self.replicas)
         transport = transport or AutoTransport()
         with transport.prepare(state_dict, version, [r.address for r in targets]) as push:
-            return self._push_all(targets, push)
+            return self._push_all(targets, push, version)
 
-    def _push_all(self, targets: Sequence[Replica], push: WeightPush) -> list[rollout_pb2.UpdateWeightsResponse]:
-        """Pushes to every target. A replica that is down is taken out of serving (the next check brings it
-        back once it answers and has been updated), unless the push needs them all; other errors are raised."""
+    def take_push_result(self, result: PushResult) -> None:
+        """Leaves the replicas a push found down out of serving (the next check brings them back once they
+        answer and have been updated)."""
+        if result.down:
+            self._serving = [r for r in self.serving() if r.address not in result.down]
+
+    def _push_all(self, targets: Sequence[Replica], push: WeightPush, version: int) -> PushResult:
+        """Pushes to every target; a replica that is down is reported, unless the push needs them all."""
         calls = zip(targets, push.requests, strict=True)
         futures = [(r, self._pool.submit(r.stub.UpdateWeights, m, timeout=self._timeout_s)) for r, m in calls]
         push.after_start()
         if push.all_replicas:
-            return [future.result() for _, future in futures]
-        replies, down = [], []
+            replies = tuple(future.result() for _, future in futures)
+            return PushResult(version, tuple(r.address for r in targets), replies=replies)
+        replies, updated, down = [], [], []
         for replica, future in futures:
             try:
                 replies.append(future.result())
+                updated.append(replica.address)
             except grpc.RpcError as err:
                 if err.code() not in FAILOVER_CODES:
                     raise
                 log.warning(
                     "rollout replica %s is down (%s); it gets the weights when it is back", replica.address, err.code()
                 )
-                down.append(replica)
-        if down:
-            if len(down) == len(targets):
-                raise RolloutError(f"no rollout replica took the weights: {[r.address for r in down]} are down")
-            self._serving = [r for r in self.serving() if r not in down]
-        return replies
+                down.append(replica.address)
+        if down and len(down) == len(targets):
+            raise RolloutError(f"no rollout replica took the weights: {down} are down")
+        return PushResult(version, tuple(updated), tuple(down), tuple(replies))

@@ -173,7 +173,29 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     assert len(changed) == len(start), f"unchanged tensors: {set(start) - set(changed)}"
     log = read_step_log(tmp_path / "ckpt" / "log.jsonl")
     assert log == records  # the log holds the returned records, every field as it was
-    assert all(set(r.phase_seconds) == {"rollout", "verify", "replay", "train", "weight_push"} for r in log)
+    assert all(
+        set(r.phase_seconds) == {"rollout", "verify", "replay", "train", "weight_push", "rollout_wait"} for r in log
+    )
+    assert all(r.policy_staleness_max == 0 and r.groups_dropped_stale == 0 for r in log)  # synchronous steps
+
+
+def test_overlapped_steps_train_on_samples_one_version_old(loop_stack, tmp_path):
+    """max_staleness=1 on the real stack: after the first step, each step's samples were generated while the
+    previous step trained (one version old), replay is mixed in as before, and the replicas end on the last push."""
+    from rlep.services.cli.run import run_training
+
+    rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
+    config = train_config(tmp_path, tmp_path / "train.parquet", max_staleness=1)
+    seed_pool(loop_stack, config.replay_pool, rows)
+
+    records = run_training(config, stack=loop_stack, show_progress=False)
+
+    assert [r.step for r in records] == [1, 2, 3]
+    assert records[0].policy_staleness_max == 0
+    assert [r.policy_staleness_max for r in records[1:]] == [1, 1]
+    assert all(r.groups_dropped_stale == 0 and r.replay_used == 2 * 4 for r in records)
+    assert loop_stack.services.rollout.versions() == [records[-1].policy_version]
+    assert read_step_log(tmp_path / "ckpt" / "log.jsonl") == records
 
 
 def _log_steps(path: Path) -> list[LogRecord]:

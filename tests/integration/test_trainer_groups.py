@@ -24,6 +24,7 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
+from rlep.services.rollout.client import PushResult, ReplicaTarget
 from rlep.services.rollout.types import Completion, SampleOut
 
 pytestmark = [pytest.mark.integration]
@@ -46,13 +47,16 @@ def fresh_script(truth: str) -> list[tuple[str, float]]:
 
 
 class ScriptedRollout:
-    """Answers every question with `fresh_script` and records the weight pushes (versions only)."""
+    """Answers every question with `fresh_script`, stamped with the last pushed version (the one it serves),
+    and records the weight pushes (versions only)."""
 
     def __init__(self, tokenizer: PolicyTokenizer):
         self.tokenizer, self.pushed, self.calls = tokenizer, [], 0
+        self.frozen_version: int | None = None  # set: answers as a replica stuck on that version would
 
     def generate(self, prompts, sampling):
         self.calls += 1
+        served = self.frozen_version if self.frozen_version is not None else self.versions()[0]
         completions = []
         for ids in prompts:
             question = self.tokenizer.decode(ids).split("Q: ")[-1].split("=?")[0]
@@ -63,7 +67,7 @@ class ScriptedRollout:
                 encoded = self.tokenizer.encode_response(text)
                 finish = FinishReason.LENGTH if encoded.truncated else FinishReason.STOP
                 body = self.tokenizer.decode(encoded.token_ids)
-                samples.append(SampleOut(list(encoded.token_ids), body, [0.0] * len(encoded.token_ids), finish, 1))
+                samples.append(SampleOut(list(encoded.token_ids), body, [0.0] * len(encoded.token_ids), finish, served))
             completions.append(Completion(list(ids), samples))
         return completions
 
@@ -73,8 +77,11 @@ class ScriptedRollout:
     def max_model_len(self) -> int:
         return 256
 
-    def push_weights(self, state, version, transport="auto", replicas=None):
-        self.pushed.append(version)
+    def target(self, replicas=None):
+        return ReplicaTarget(("scripted",), None, 1.0)
+
+    def take_push_result(self, result) -> None:
+        self.pushed.append(result.version)
 
     def refresh(self) -> None: ...
 
@@ -98,8 +105,8 @@ class RecordingPolicy:
         stats = dict.fromkeys(("clip_fraction", "approx_kl", "entropy", "loss"), 0.0)
         return {**stats, "lr": 1e-3, "optimizer_steps": float(len(self.updates))}
 
-    def state_dict(self):
-        return {}
+    def push_weights(self, target, version, sync):
+        return PushResult(version, target.addresses)
 
     def rng_state(self):
         return {}

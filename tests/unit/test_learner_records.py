@@ -18,7 +18,8 @@ STEP_KEYS = [
     "replay_failed_verification", "replay_dropped", "advantage_mean", "advantage_std",
     "clip_fraction", "approx_kl", "entropy", "loss", "lr", "optimizer_steps", "response_length_mean",
     "sequences", "prompts_truncated", "generation_rounds", "questions_generated", "groups_filtered",
-    "step_seconds", "phase_seconds", "question_ids",
+    "step_seconds", "phase_seconds", "question_ids", "policy_staleness_max", "policy_staleness_mean",
+    "groups_dropped_stale",
 ]  # fmt: skip
 
 
