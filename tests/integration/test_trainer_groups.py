@@ -53,6 +53,7 @@ class ScriptedRollout:
     def __init__(self, tokenizer: PolicyTokenizer):
         self.tokenizer, self.pushed, self.calls = tokenizer, [], 0
         self.frozen_version: int | None = None  # set: answers as a replica stuck on that version would
+        self.sampler_logprob = 0.0  # the logprob the "sampler" reports for every token
 
     def generate(self, prompts, sampling):
         self.calls += 1
@@ -67,7 +68,8 @@ class ScriptedRollout:
                 encoded = self.tokenizer.encode_response(text)
                 finish = FinishReason.LENGTH if encoded.truncated else FinishReason.STOP
                 body = self.tokenizer.decode(encoded.token_ids)
-                samples.append(SampleOut(list(encoded.token_ids), body, [0.0] * len(encoded.token_ids), finish, served))
+                logprobs = [self.sampler_logprob] * len(encoded.token_ids)
+                samples.append(SampleOut(list(encoded.token_ids), body, logprobs, finish, served))
             completions.append(Completion(list(ids), samples))
         return completions
 

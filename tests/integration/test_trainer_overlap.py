@@ -9,6 +9,7 @@ pushes. The policy records what it is given.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.integration.test_trainer_groups import QUESTIONS, make_trainer, stored, tokenizer  # noqa: F401 - a fixture
 
@@ -53,3 +54,20 @@ def test_a_replica_stuck_on_old_weights_is_never_trained_on(tokenizer, verifier_
     finally:
         trainer.close()
     assert len(policy.updates) == 2  # the refused step trained on nothing
+
+
+def test_old_logprobs_are_the_learners_not_the_stale_samplers(tokenizer, verifier_client, replay_client, pool_name):  # noqa: F811
+    """The importance ratio of an update is pi_new / pi_old with pi_old recomputed under the learner's weights at
+    the start of the update (README, *Overlap*): the sampler's own logprobs (here -3.0 a token, a stale sampler's)
+    never reach the loss."""
+    trainer, policy, rollout = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=0, max_staleness=1
+    )
+    rollout.sampler_logprob = -3.0
+    try:
+        trainer.train_step()
+        trainer.train_step()
+    finally:
+        trainer.close()
+    for batch, _ in policy.updates:
+        assert batch.old_logprobs is not None and torch.equal(batch.old_logprobs, policy.logprobs(batch))
