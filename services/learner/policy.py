@@ -33,7 +33,7 @@ from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.weight_push import WeightPusher
 from rlep.services.rollout.client import PushResult, ReplicaTarget
 from rlep.services.weights.config import WeightSyncConfig
-from rlep.services.weights.nccl import BroadcastGroup, NcclWeightSender, manifest
+from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
 from rlep.services.weights.payload import TensorInfo
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class DeepSpeedPolicy:
         self.shuffle = torch.Generator().manual_seed(config.seed + 1)
         self.optimizer_steps = 0
         self.training_steps = 0  # `update` calls: the warm-up clock
-        self._sender: NcclWeightSender | None = None  # GPU weight broadcast, created on first use
+        self._sender: WeightSender | None = None  # weight broadcast (rank 0), joined on first use
         self._pusher = WeightPusher()  # payload pushes from this process (rank 0)
 
     @property
@@ -310,19 +310,23 @@ class DeepSpeedPolicy:
         return manifest(self.state_dict())
 
     def broadcast_weights(self, group: BroadcastGroup) -> None:
-        """GPU only, NOT exercised by CI: rank 0 sends the full weights to the rollout workers over NCCL.
+        """Rank 0 sends the full weights to the rollout workers over `group.backend` (NCCL or gloo).
 
         Every rank calls it (ZeRO-3 gathers need all of them); rank 0 joins `group` once and broadcasts.
+        A failed broadcast leaves its group (the transport's next push names a new one).
         """
         state = self.state_dict()
         if self.rank != 0:
             return
-        if self._sender is None or self._sender.group != group:
-            self._sender = NcclWeightSender(group)
-        self._sender.broadcast(state)
+        if self._sender is not None and self._sender.group != group:
+            self._sender.close()
+            self._sender = None
+        sender, self._sender = self._sender or WeightSender(group), None
+        sender.broadcast(state)
+        self._sender = sender  # kept only after a broadcast that completed
 
     def broadcast_address(self) -> str:
-        """This node's address: rank 0 of a local policy is this process, and the NCCL group's store listens here."""
+        """This node's address: rank 0 of a local policy is this process; the broadcast group's store listens here."""
         import ray
 
         return ray.util.get_node_ip_address()

@@ -17,7 +17,7 @@ import torch
 from rlep.services.learner.batch import ExperienceBatch
 from rlep.services.rollout.client import PushResult, ReplicaTarget
 from rlep.services.weights.config import WeightSyncConfig
-from rlep.services.weights.nccl import BroadcastGroup
+from rlep.services.weights.broadcast import BroadcastGroup
 from rlep.services.weights.payload import TensorInfo
 
 __all__ = ["Policy", "spread_calls"]
@@ -61,7 +61,7 @@ class Policy(Protocol):
     @returns_rank0
     def rng_state(self) -> dict[str, Any]: ...
 
-    # GPU weight broadcast (weight_sync.transport = nccl).
+    # Weight broadcast (weight_sync.transport = nccl; NCCL or gloo).
     @returns_rank0
     def weight_manifest(self) -> list[tuple[str, TensorInfo]]: ...
     @returns_nothing

@@ -1,5 +1,5 @@
 """Rollout worker logic without gRPC: a Generate request's checks (sampling limits, prompts -> token ids)
-and weight intake (header checks, staging and hashing a streamed payload, shared files, NCCL manifests).
+and weight intake (header checks, staging and hashing a streamed payload, shared files, broadcast manifests).
 
 vLLM validates `SamplingParams` when it builds them and raises on values it refuses (temperature
 above 2, greedy sampling with n > 1, ...). Built on the engine thread, such a request would kill
@@ -27,7 +27,7 @@ from rlep.common.files import sha256_file
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.config import RolloutConfig
 from rlep.services.rollout.types import MAX_TEMPERATURE, Sampling, greedy_problem
-from rlep.services.weights.nccl import manifest_bytes, manifest_digest
+from rlep.services.weights.broadcast import DEFAULT_TIMEOUT_S, BroadcastGroup, manifest_bytes, manifest_digest
 from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header
 from rlep.services.weights.staging import WORKER_PREFIX, staged_file
 
@@ -37,6 +37,13 @@ CHAT_ROLES = ("system", "user", "assistant")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # A payload is the tensors plus a JSON header; the header of a big model stays well under this.
 HEADER_SLACK_BYTES = 16 * 1024 * 1024
+# A broadcast's communicator (unspecified: NCCL, what senders meant before the field existed).
+BROADCAST_BACKENDS = {
+    rollout_pb2.BROADCAST_BACKEND_UNSPECIFIED: "nccl",
+    rollout_pb2.NCCL: "nccl",
+    rollout_pb2.GLOO: "gloo",
+}
+MAX_BROADCAST_TIMEOUT_S = 3600.0  # what the sender's config allows
 
 
 # -- Generate ----------------------------------------------------------------------------------
@@ -129,7 +136,7 @@ class WeightIntake:
     """Checks a pushed payload against the served model before the engine sees it.
 
     A streamed payload is staged in a locked file (services/weights/staging.py) and hashed on arrival;
-    a shared file must lie under one of `shared_dirs`; an NCCL push is checked by its manifest.
+    a shared file must lie under one of `shared_dirs`; a broadcast push is checked by its manifest.
     """
 
     def __init__(self, model_path: str | Path, staging_dir: str | Path, shared_dirs: Sequence[str | Path]):
@@ -200,8 +207,8 @@ class WeightIntake:
         header: rollout_pb2.WeightHeader,
         broadcast: rollout_pb2.NcclBroadcast,
         rest: Iterator[rollout_pb2.WeightChunk],
-    ) -> list[tuple[str, TensorInfo]]:
-        """The tensors an NCCL push will send, checked against `header` and the model."""
+    ) -> tuple[BroadcastGroup, list[tuple[str, TensorInfo]]]:
+        """The group a broadcast push names and the tensors it will send, checked against `header` and the model."""
         if next(rest, None) is not None:
             raise WeightError("nothing may follow an nccl_broadcast chunk")
         entries = [(t.name, TensorInfo(t.dtype, tuple(t.shape))) for t in broadcast.tensors]
@@ -218,4 +225,15 @@ class WeightIntake:
             raise WeightError("nccl_broadcast needs master_address and a master_port in 1..65535")
         if not 1 <= broadcast.rank_offset < broadcast.world_size:
             raise WeightError("nccl_broadcast needs 1 <= rank_offset < world_size (rank 0 is the learner)")
-        return entries
+        if broadcast.backend not in BROADCAST_BACKENDS:
+            raise WeightError(f"nccl_broadcast.backend {broadcast.backend} is not NCCL or GLOO")
+        if not (math.isfinite(broadcast.timeout_s) and 0 <= broadcast.timeout_s <= MAX_BROADCAST_TIMEOUT_S):
+            raise WeightError(f"nccl_broadcast.timeout_s must be in [0, {MAX_BROADCAST_TIMEOUT_S:g}] (0 = default)")
+        group = BroadcastGroup(
+            broadcast.master_address,
+            broadcast.master_port,
+            broadcast.world_size,
+            BROADCAST_BACKENDS[broadcast.backend],
+            broadcast.timeout_s or DEFAULT_TIMEOUT_S,
+        )
+        return group, entries

@@ -89,7 +89,7 @@ class _LoadJob(_Job):
 
 @dataclass(eq=False)
 class _BroadcastJob(_Job):
-    """GPU only: receive a state dict over NCCL from the learner (services/weights/nccl.py)."""
+    """Receive a state dict broadcast by the learner over NCCL or gloo (services/weights/broadcast.py)."""
 
     group: object = None  # BroadcastGroup
     rank_offset: int = 1
@@ -99,6 +99,10 @@ class _BroadcastJob(_Job):
 
 class VersionError(ValueError):
     """A weight push whose version is not newer than the engine's."""
+
+
+class BroadcastFailed(RuntimeError):
+    """A weight broadcast that did not complete (a peer died, or it timed out); the previous weights still serve."""
 
 
 class RolloutEngine:
@@ -128,7 +132,7 @@ class RolloutEngine:
         self.aborted_requests = 0  # vLLM requests (one per sample) aborted because their caller gave up
         self.loads_behind_generation = 0  # weight loads that were queued while a batch was generating
         self.batch_running = False
-        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers joined, GPU only
+        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers are members of
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -186,15 +190,17 @@ class RolloutEngine:
         job = self._put(_LoadJob(path=path, version=version, behind_generation=self.batch_running))
         return job.future.result(timeout=timeout_s)
 
-    @property
-    def supports_broadcast(self) -> bool:
-        """NCCL weight broadcast needs CUDA workers."""
+    def broadcast_problem(self, backend: str) -> str | None:
+        """Why this engine's workers cannot receive a broadcast over `backend`, or None (gloo runs anywhere)."""
         import torch
 
-        return torch.cuda.is_available()
+        if backend == "nccl" and not torch.cuda.is_available():
+            return "a weight broadcast over NCCL needs a GPU worker; this one runs on CPU (use backend gloo)"
+        return None
 
     def receive_broadcast(self, group, rank_offset: int, entries: Sequence, version: int) -> float:
-        """GPU only: joins `group` (first time) and receives `entries` over NCCL as `version`; returns seconds."""
+        """Joins `group` (unless its workers are members already) and receives `entries` as `version`; returns
+        seconds. BroadcastFailed when the broadcast does not complete: the previous version keeps serving."""
         job = self._put(_BroadcastJob(group=group, rank_offset=rank_offset, entries=entries, version=version))
         return job.future.result()
 
@@ -281,19 +287,26 @@ class RolloutEngine:
         return time.perf_counter() - started
 
     def _receive_broadcast(self, job: _BroadcastJob) -> float:
-        from rlep.services.weights.nccl import TORCH_DTYPE
-
         self._check_newer(job.version)
         started = time.perf_counter()
-        if self._joined_group != (job.group, job.rank_offset):
-            group = job.group
-            args = (group.master_address, group.master_port, job.rank_offset, group.world_size)
-            self._llm.collective_rpc("init_weight_broadcast", args=args)
-            self._joined_group = (job.group, job.rank_offset)
+        group, key = job.group, (job.group, job.rank_offset)
         names = [name for name, _ in job.entries]
-        dtypes = [str(TORCH_DTYPE[info.dtype]).removeprefix("torch.") for _, info in job.entries]
+        dtypes = [info.dtype for _, info in job.entries]
         shapes = [list(info.shape) for _, info in job.entries]
-        self._llm.collective_rpc("receive_weight_broadcast", args=(names, dtypes, shapes))
+        try:
+            if self._joined_group != key:
+                self._joined_group = None
+                args = (group.master_address, group.master_port, job.rank_offset, group.world_size)
+                self._llm.collective_rpc("init_weight_broadcast", args=(*args, group.backend, group.timeout_s))
+                self._joined_group = key
+            self._llm.collective_rpc("receive_weight_broadcast", args=(names, dtypes, shapes))
+        except Exception as err:
+            # The workers left the group (worker_extension.py): the sender's next push forms a new one.
+            self._joined_group = None
+            error = self._engine_error(err)
+            if isinstance(error, EngineUnavailable):
+                raise error from err
+            raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {err}") from err
         self._llm.reset_prefix_cache()
         self._version = job.version
         return time.perf_counter() - started

@@ -24,9 +24,14 @@ from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.config import RolloutConfig
 from rlep.services.rollout.core import PromptEncoder, WeightIntake, sampling_from_request
-from rlep.services.rollout.engine import CallAbandoned, EngineUnavailable, RolloutEngine, VersionError
+from rlep.services.rollout.engine import (
+    BroadcastFailed,
+    CallAbandoned,
+    EngineUnavailable,
+    RolloutEngine,
+    VersionError,
+)
 from rlep.services.rollout.types import Generation
-from rlep.services.weights.nccl import BroadcastGroup
 from rlep.services.weights.payload import WeightError
 
 log = logging.getLogger(__name__)
@@ -176,22 +181,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     def _update_by_broadcast(self, header, broadcast: rollout_pb2.NcclBroadcast, chunks, context):
-        """GPU path (not exercised by CI): check the manifest, then receive the tensors over NCCL."""
+        """Check the manifest, then join the learner's group and receive the tensors (NCCL or gloo)."""
         started = time.perf_counter()
         try:
-            entries = self._intake.broadcast_entries(header, broadcast, chunks)
+            group, entries = self._intake.broadcast_entries(header, broadcast, chunks)
         except WeightError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if not self._engine.supports_broadcast:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "weight broadcast over NCCL needs a GPU worker; this one runs on CPU (push with stream or shared_file)",
-            )
-        group = BroadcastGroup(broadcast.master_address, broadcast.master_port, broadcast.world_size)
+        if problem := self._engine.broadcast_problem(group.backend):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         try:
             load_seconds = self._engine.receive_broadcast(group, broadcast.rank_offset, entries, header.version)
         except VersionError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except BroadcastFailed as err:  # a peer died or timed out; the learner's next push forms a new group
+            log.warning("%s", err)
+            context.abort(grpc.StatusCode.ABORTED, str(err))
+        except EngineUnavailable as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         self._metrics.weight_version.set(self._engine.version)
         return rollout_pb2.UpdateWeightsResponse(
             version=header.version,

@@ -5,9 +5,10 @@ so they are plain values (a file path, names and shapes), never tensors or pickl
 
 - `load_safetensors_file`: the CPU / single-host path, exercised by CI. The file was checked by
   name, shape, dtype and sha256 before it gets here (services/weights/payload.py).
-- `init_weight_broadcast` / `receive_weight_broadcast`: the GPU path (vLLM's documented RLHF
-  pattern: a stateless process group between learner rank 0 and the workers, then one NCCL
-  broadcast per tensor). NOT exercised by CI: there is no GPU on our machines.
+- `init_weight_broadcast` / `receive_weight_broadcast`: vLLM's documented RLHF pattern, a process
+  group of our own between learner rank 0 and the workers, then one broadcast per tensor over NCCL
+  (GPU workers; NOT exercised by CI) or gloo (any worker; CI runs it on the CPU build). Both load
+  through the same `reload_weights` as `load_safetensors_file`, after every tensor has arrived.
 """
 
 from __future__ import annotations
@@ -47,26 +48,41 @@ class WeightSyncExtension:
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(head)
 
-    def init_weight_broadcast(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """GPU only: joins the learner's weight-broadcast group (the learner is rank 0)."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    def init_weight_broadcast(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Joins the learner's weight-broadcast group (the learner is rank 0), leaving any group joined before."""
         from vllm.distributed.parallel_state import get_world_group
-        from vllm.distributed.utils import StatelessProcessGroup
 
+        from rlep.services.weights.broadcast import BroadcastGroup, setup_communicator
+
+        self._leave_weight_broadcast()
+        group = BroadcastGroup(master_address, master_port, world_size, backend, timeout_s)
         rank = get_world_group().rank + rank_offset
-        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
-        self._weight_broadcast = PyNcclCommunicator(group, device=self.device)
+        self._weight_broadcast = setup_communicator(group, rank, getattr(self, "device", None))
 
     def receive_weight_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
-        """GPU only: receives each named tensor from rank 0 and loads it; returns the count."""
-        import torch
+        """Receives each named tensor from rank 0, then loads them all; returns the count.
 
-        if getattr(self, "_weight_broadcast", None) is None:
-            raise RuntimeError("init_weight_broadcast was not called on this worker")
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self._weight_broadcast.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-            self.model_runner.model.load_weights(weights=[(name, tensor)])
-            del tensor
+        On any failure the group is left (the next push joins a new one) and the model keeps its weights.
+        """
+        from rlep.services.weights.broadcast import receive_state_dict
+        from rlep.services.weights.payload import TensorInfo
+
+        communicator = getattr(self, "_weight_broadcast", None)
+        if communicator is None:
+            raise RuntimeError("init_weight_broadcast was not called on this worker (or its last broadcast failed)")
+        entries = [(n, TensorInfo(d, tuple(s))) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        try:
+            state_dict = receive_state_dict(communicator, entries)
+        except BaseException:
+            self._leave_weight_broadcast()
+            raise
+        self.reload_weights(weights_iterator=iter(state_dict), is_checkpoint_format=True)
         self._refresh_tied_output_layer()
-        return len(names)
+        return len(state_dict)
+
+    def _leave_weight_broadcast(self) -> None:
+        communicator, self._weight_broadcast = getattr(self, "_weight_broadcast", None), None
+        if communicator is not None:
+            communicator.close()

@@ -30,12 +30,18 @@ class SharedFileSyncConfig(StrictModel):
 
 class NcclSyncConfig(StrictModel):
     transport: Literal["nccl"] = "nccl"
-    """GPU only, NOT exercised by CI: the learner's rank 0 broadcasts to every replica's workers (vLLM's RLHF
-    pattern; services/weights/nccl.py). Replicas that rejoin are brought up by `auto`."""
+    """The learner's rank 0 broadcasts every tensor to every replica's workers through a process group of their
+    own (vLLM's RLHF pattern; services/weights/broadcast.py). Every replica takes part in every push."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """The group's communicator: `nccl` between GPUs (NOT exercised by CI), `gloo` over TCP on any device (what CI
+    runs), `auto` = nccl when the trainer's process sees CUDA, else gloo."""
     nccl_port: int = Field(29650, ge=1024, le=65000)
-    """First port of the NCCL group's store on the learner's rank 0 (a new group takes the next one)."""
+    """First port of the group's store on the learner's rank 0 (a new group takes the next one)."""
     workers_per_replica: int = Field(1, ge=1)
-    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the NCCL group."""
+    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the group."""
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Bound on every rank's join and on each tensor: a peer that died or never came fails the push within it
+    (gloo fails at once when a peer's connection closes). Covers a worker finishing its generation batch first."""
 
 
 def _transport_of(value: Any) -> str:

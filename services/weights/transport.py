@@ -1,14 +1,14 @@
 """Weight transports: how one version of the policy's weights becomes the `UpdateWeights` calls of a set of replicas.
 
 A `WeightTransport` turns the weights and a version into a `WeightPush`: one message stream per target replica
-and, for NCCL, the broadcast to run once those calls are started. The caller (`RolloutClient.push_weights`) owns
+and, for a broadcast, the broadcast to run once those calls are started. The caller (`RolloutClient.push_weights`) owns
 the replicas, their stubs and what happens when one is down; a transport knows only addresses and messages.
 
 - `StreamTransport`: the safetensors payload in chunks over gRPC (replicas on any host).
 - `SharedFileTransport`: one payload file in this host's shared memory, named in the call (local replicas only).
 - `AutoTransport`: shared_file when every replica is on this host, else stream.
-- `NcclBroadcastTransport`: GPU only, NOT exercised by CI; the calls carry the manifest and the learner's
-  rank 0 broadcasts the tensors (services/weights/nccl.py).
+- `BroadcastTransport`: the calls carry the manifest and the learner's rank 0 broadcasts the tensors over NCCL
+  (GPUs, NOT exercised by CI) or gloo (any device; CI runs it), services/weights/broadcast.py.
 
 `setup_weight_transport` builds one from a training run's `weight_sync` config (config.py).
 """
@@ -26,6 +26,13 @@ from typing import Protocol
 import torch
 
 from rlep.rollout.v1 import rollout_pb2
+from rlep.services.weights.broadcast import (
+    DEFAULT_TIMEOUT_S,
+    BroadcastGroup,
+    manifest_bytes,
+    manifest_digest,
+    rank_offsets,
+)
 from rlep.services.weights.config import (
     AutoSyncConfig,
     NcclSyncConfig,
@@ -33,15 +40,15 @@ from rlep.services.weights.config import (
     StreamSyncConfig,
     WeightSyncConfig,
 )
-from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
 from rlep.services.weights.payload import TensorInfo, write_payload
 from rlep.services.weights.staging import PUSH_PREFIX, default_staging_dir, staged_file
 
+BACKEND_TO_PROTO = {"nccl": rollout_pb2.NCCL, "gloo": rollout_pb2.GLOO}
 # Streamed payload slices: far below gRPC's message limit, large enough that per-message cost is negligible.
 CHUNK_BYTES = 4 * 1024 * 1024
 
 # The tensors to push (checkpoint names), or a function giving them. Transports that carry the tensors call it
-# once; the NCCL transport never does (its sender reads them on the learner's devices, so nothing is copied here).
+# once; the broadcast transport never does (its sender reads them on the learner's devices, so nothing is copied here).
 StateDictSource = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
 
 
@@ -52,14 +59,14 @@ class WeightPush:
     requests: list[Iterator[rollout_pb2.WeightChunk]]
     """The message stream of each target replica, in the targets' order."""
     after_start: Callable[[], None] = lambda: None
-    """Runs once every call has started (NCCL: the learner's broadcast, which the workers receive inside them)."""
+    """Runs once every call has started (broadcast: the learner's broadcast, which the workers receive inside them)."""
     all_replicas: bool = False
-    """Every replica must take part (a fixed-size NCCL group): one that is down fails the push instead of being
+    """Every replica must take part (a fixed-size broadcast group): one that is down fails the push instead of being
     left out until it is back."""
 
 
 class WeightTransport(ABC):
-    """How a push's weights travel; one instance serves every push of a run (NCCL keeps its groups in it)."""
+    """How a push's weights travel; one instance serves every push of a run (a broadcast keeps its groups in it)."""
 
     @abstractmethod
     def prepare(
@@ -113,22 +120,32 @@ class AutoTransport(WeightTransport):
 
 
 class BroadcastSender(Protocol):
-    """The learner's side of an NCCL push (its policy: rank 0 sends, every rank takes part)."""
+    """The learner's side of a broadcast push (its policy: rank 0 sends, every rank takes part)."""
 
     def weight_manifest(self) -> list[tuple[str, TensorInfo]]: ...
     def broadcast_weights(self, group: BroadcastGroup) -> None: ...
     def broadcast_address(self) -> str: ...
 
 
-class NcclBroadcastTransport(WeightTransport):
-    """GPU only, NOT exercised by CI: every replica's workers receive the tensors from the learner's rank 0.
+class BroadcastTransport(WeightTransport):
+    """Every replica's workers receive the tensors from the learner's rank 0 over `backend` (nccl or gloo).
 
     Each call carries the manifest (checked by the worker before it joins) and the replica's ranks in the group;
-    the broadcast then runs from `sender`. A group's size is fixed, so every replica must take part.
+    the broadcast then runs from `sender`. A group's size is fixed, so every replica must take part. A group is
+    kept while its pushes succeed; after a failed push the next one forms a new group on the next port.
     """
 
-    def __init__(self, sender: BroadcastSender, first_port: int, workers_per_replica: int = 1):
-        self.sender, self.first_port, self.workers_per_replica = sender, first_port, workers_per_replica
+    def __init__(
+        self,
+        sender: BroadcastSender,
+        first_port: int,
+        workers_per_replica: int = 1,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.sender, self.workers_per_replica = sender, workers_per_replica
+        self.backend, self.timeout_s = backend, timeout_s
+        self._next_port = first_port
         self._groups: dict[tuple[str, ...], BroadcastGroup] = {}
         self._manifest: list[tuple[str, TensorInfo]] | None = None  # tensor names, dtypes, shapes (fixed for a run)
 
@@ -137,8 +154,9 @@ class NcclBroadcastTransport(WeightTransport):
         key = tuple(addresses)
         if key not in self._groups:
             size = 1 + len(key) * self.workers_per_replica
-            port = self.first_port + len(self._groups)
-            self._groups[key] = BroadcastGroup(self.sender.broadcast_address(), port, size)
+            address = self.sender.broadcast_address()
+            self._groups[key] = BroadcastGroup(address, self._next_port, size, self.backend, self.timeout_s)
+            self._next_port += 1
         return self._groups[key]
 
     @contextmanager
@@ -147,11 +165,23 @@ class NcclBroadcastTransport(WeightTransport):
         self._manifest = self._manifest or self.sender.weight_manifest()
         offsets = rank_offsets(len(addresses), self.workers_per_replica)
         requests = [iter(broadcast_messages(version, self._manifest, group, offset)) for offset in offsets]
-        yield WeightPush(requests, after_start=lambda: self.sender.broadcast_weights(group), all_replicas=True)
+        try:
+            yield WeightPush(requests, after_start=lambda: self.sender.broadcast_weights(group), all_replicas=True)
+        except BaseException:
+            # Some rank may have left the group (a failed or dead peer closes it): never reuse it.
+            self._groups.pop(tuple(addresses), None)
+            raise
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is nccl when this process sees CUDA, else gloo."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | None = None) -> WeightTransport:
-    """The transport `config` names; `sender` (the learner's policy) is needed by NCCL only."""
+    """The transport `config` names; `sender` (the learner's policy) is needed by the broadcast only."""
     match config:
         case AutoSyncConfig():
             return AutoTransport()
@@ -160,7 +190,8 @@ def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | N
         case SharedFileSyncConfig():
             return SharedFileTransport()
         case NcclSyncConfig() if sender is not None:
-            return NcclBroadcastTransport(sender, config.nccl_port, config.workers_per_replica)
+            backend = resolve_backend(config.backend)
+            return BroadcastTransport(sender, config.nccl_port, config.workers_per_replica, backend, config.timeout_s)
     raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
 
 
@@ -196,7 +227,7 @@ def stream_payload(header: rollout_pb2.WeightHeader, payload: bytes) -> Iterator
 def broadcast_messages(
     version: int, entries: Sequence[tuple[str, TensorInfo]], group: BroadcastGroup, rank_offset: int
 ) -> list[rollout_pb2.WeightChunk]:
-    """One replica's call of an NCCL push: the header (manifest digest and size), then its place in `group`."""
+    """One replica's call of a broadcast push: the header (manifest digest and size), then its place in `group`."""
     header = rollout_pb2.WeightHeader(
         version=version,
         sha256=manifest_digest(entries),
@@ -209,5 +240,7 @@ def broadcast_messages(
         rank_offset=rank_offset,
         world_size=group.world_size,
         tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries],
+        backend=BACKEND_TO_PROTO[group.backend],
+        timeout_s=group.timeout_s,
     )
     return [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]

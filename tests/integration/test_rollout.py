@@ -16,7 +16,7 @@ from rlep.common.grpc_utils import make_channel
 from rlep.common.types import FinishReason
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.types import Sampling
-from rlep.services.weights.nccl import BroadcastGroup
+from rlep.services.weights.broadcast import BroadcastGroup
 from rlep.services.weights.payload import to_payload
 from rlep.services.weights.transport import (
     SharedFileTransport,
@@ -359,7 +359,7 @@ def _broadcast_push(stub, version: int, entries, master_port: int = 29650, rank_
 
 def test_nccl_broadcast_pushes_are_checked_and_a_cpu_worker_declines_them(stub, rollout, hf_model):
     """The GPU path's control half: the manifest is checked like any payload; a CPU worker says it can't."""
-    from rlep.services.weights.nccl import manifest
+    from rlep.services.weights.broadcast import manifest
 
     version = rollout.engine.version
     entries = manifest(perturbed_state_dict(hf_model, 12))

@@ -125,7 +125,7 @@ def test_the_contract_refuses(importer, imported, reason):
     [
         ("rlep.services.learner.trainer", "rlep.services.rollout.client"),
         ("rlep.services.eval.api", "rlep.services.rollout.types"),
-        ("rlep.services.learner.policy", "rlep.services.weights.nccl"),
+        ("rlep.services.learner.policy", "rlep.services.weights.broadcast"),
         ("rlep.services.cli.stack", "rlep.services.verifier.main"),
         ("rlep.services.replay.server", "rlep.replay.v1.replay_pb2"),
         ("rlep.common.wire", "rlep.common.v1.trajectory_pb2"),

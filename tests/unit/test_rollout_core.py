@@ -13,7 +13,7 @@ import torch
 
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.core import PromptEncoder, WeightIntake
-from rlep.services.weights.nccl import manifest_bytes, manifest_digest
+from rlep.services.weights.broadcast import BroadcastGroup, manifest_bytes, manifest_digest
 from rlep.services.weights.payload import TensorInfo, WeightError, to_payload
 
 STATE = {"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}
@@ -127,7 +127,7 @@ def test_implausible_headers_are_named(intake):
     assert "is not a plausible size for this model" in intake.header_problem(huge)
 
 
-def test_an_nccl_manifest_must_match_its_header_and_the_model(intake):
+def test_a_broadcast_manifest_must_match_its_header_and_the_model(intake):
     entries = [(name, TensorInfo("F32", tuple(t.shape))) for name, t in STATE.items()]
     header = rollout_pb2.WeightHeader(version=1, sha256=manifest_digest(entries), total_bytes=manifest_bytes(entries))
     broadcast = rollout_pb2.NcclBroadcast(
@@ -137,7 +137,17 @@ def test_an_nccl_manifest_must_match_its_header_and_the_model(intake):
         world_size=2,
         rank_offset=1,
     )
-    assert intake.broadcast_entries(header, broadcast, iter([])) == entries
+    # No backend named: NCCL, what senders meant before the field existed; no timeout: the default.
+    assert intake.broadcast_entries(header, broadcast, iter([])) == (BroadcastGroup("127.0.0.1", 29500, 2), entries)
+    broadcast.backend, broadcast.timeout_s = rollout_pb2.GLOO, 5
+    group, _ = intake.broadcast_entries(header, broadcast, iter([]))
+    assert (group.backend, group.timeout_s) == ("gloo", 5)
+    for field, value, message in [("backend", 9, "is not NCCL or GLOO"), ("timeout_s", -1, "timeout_s must be")]:
+        bad = rollout_pb2.NcclBroadcast()
+        bad.CopyFrom(broadcast)
+        setattr(bad, field, value)
+        with pytest.raises(WeightError, match=message):
+            intake.broadcast_entries(header, bad, iter([]))
     broadcast.rank_offset = 0
     with pytest.raises(WeightError, match="rank_offset"):
         intake.broadcast_entries(header, broadcast, iter([]))

@@ -11,13 +11,14 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from rlep.common.config import CONFIG_DIR, load_config
+from rlep.rollout.v1 import rollout_pb2
 from rlep.services.learner.config import TrainConfig
+from rlep.services.weights.broadcast import BroadcastGroup, manifest, manifest_digest
 from rlep.services.weights.config import NcclSyncConfig, WeightSyncConfig
-from rlep.services.weights.nccl import BroadcastGroup, manifest, manifest_digest
 from rlep.services.weights.payload import read_header
 from rlep.services.weights.transport import (
     AutoTransport,
-    NcclBroadcastTransport,
+    BroadcastTransport,
     SharedFileTransport,
     StreamTransport,
     setup_weight_transport,
@@ -41,11 +42,17 @@ def test_each_variant_builds_its_transport(section, transport):
 
 
 def test_nccl_fields_belong_to_the_nccl_variant_only():
-    nccl = SYNC.validate_python({"transport": "nccl", "nccl_port": 29700, "workers_per_replica": 2})
-    assert nccl == NcclSyncConfig(nccl_port=29700, workers_per_replica=2)
+    nccl = SYNC.validate_python({"transport": "nccl", "nccl_port": 29700, "workers_per_replica": 2, "backend": "gloo"})
+    assert nccl == NcclSyncConfig(nccl_port=29700, workers_per_replica=2, backend="gloo")
     for transport in ("stream", "auto"):
         with pytest.raises(ValidationError, match="nccl_port"):
             SYNC.validate_python({"transport": transport, "nccl_port": 29700})
+        with pytest.raises(ValidationError, match="backend"):
+            SYNC.validate_python({"transport": transport, "backend": "gloo"})
+    with pytest.raises(ValidationError, match="'auto', 'nccl' or 'gloo'"):
+        SYNC.validate_python({"transport": "nccl", "backend": "mpi"})
+    with pytest.raises(ValidationError, match="timeout_s"):
+        SYNC.validate_python({"transport": "nccl", "timeout_s": 0})
     with pytest.raises(ValidationError, match="'auto', 'stream', 'shared_file', 'nccl'"):
         SYNC.validate_python({"transport": "carrier_pigeon"})
 
@@ -60,6 +67,15 @@ def test_a_train_config_reads_the_variant_from_yaml_and_overrides():
 def test_nccl_needs_the_learners_sender():
     with pytest.raises(ValueError, match="needs the learner's policy"):
         setup_weight_transport(NcclSyncConfig())
+
+
+@pytest.mark.parametrize(("backend", "chosen"), [("nccl", "nccl"), ("gloo", "gloo"), ("auto", "gloo")])
+def test_the_backend_is_the_configured_one_and_auto_is_gloo_without_cuda(backend, chosen):
+    assert not torch.cuda.is_available()  # CI's machines; on a GPU machine auto is nccl
+    transport = setup_weight_transport(NcclSyncConfig(backend=backend, timeout_s=9), RecordingSender())
+    assert type(transport) is BroadcastTransport
+    group = transport.group(["a:1"])
+    assert (group.backend, group.timeout_s) == (chosen, 9)
 
 
 @pytest.mark.parametrize(
@@ -108,9 +124,9 @@ class RecordingSender:
         return "10.0.0.5"
 
 
-def test_nccl_calls_carry_the_manifest_and_each_replicas_ranks():
+def test_broadcast_calls_carry_the_manifest_and_each_replicas_ranks():
     sender = RecordingSender()
-    transport = NcclBroadcastTransport(sender, first_port=29650, workers_per_replica=2)
+    transport = BroadcastTransport(sender, first_port=29650, workers_per_replica=2, backend="gloo", timeout_s=7)
 
     def unread():
         raise AssertionError("the NCCL transport must not read the state dict")
@@ -118,12 +134,13 @@ def test_nccl_calls_carry_the_manifest_and_each_replicas_ranks():
     with transport.prepare(unread, 4, ["a:1", "b:2"]) as push:
         calls = [list(messages) for messages in push.requests]
     assert push.all_replicas
-    group = BroadcastGroup("10.0.0.5", 29650, world_size=5)
+    group = BroadcastGroup("10.0.0.5", 29650, world_size=5, backend="gloo", timeout_s=7)
     for (header, chunk), offset in zip(calls, [1, 3], strict=True):
         assert header.header.version == 4 and header.header.sha256 == manifest_digest(manifest(STATE))
         nccl = chunk.nccl_broadcast
         assert (nccl.master_address, nccl.master_port, nccl.world_size) == ("10.0.0.5", 29650, 5)
         assert nccl.rank_offset == offset
+        assert (nccl.backend, nccl.timeout_s) == (rollout_pb2.GLOO, 7)
         assert [t.name for t in nccl.tensors] == list(STATE)
     assert sender.broadcasts == []  # the broadcast waits until the calls are started
     push.after_start()
@@ -131,7 +148,18 @@ def test_nccl_calls_carry_the_manifest_and_each_replicas_ranks():
 
     # Same replicas: same group; another set of replicas: a new group on the next port. The manifest is read once.
     assert transport.group(["a:1", "b:2"]) == group
-    assert transport.group(["a:1"]) == BroadcastGroup("10.0.0.5", 29651, world_size=3)
+    assert transport.group(["a:1"]) == BroadcastGroup("10.0.0.5", 29651, 3, "gloo", 7)
     with transport.prepare(unread, 5, ["a:1"]):
         pass
     assert sender.manifests == 1
+
+
+def test_a_failed_push_is_never_retried_on_its_group():
+    """A rank may have left the group when a push fails: the next push of the same replicas gets a new port."""
+    transport = BroadcastTransport(RecordingSender(), first_port=29650, backend="gloo")
+    with pytest.raises(RuntimeError, match="peer died"), transport.prepare(STATE, 1, ["a:1"]):
+        raise RuntimeError("peer died")
+    with transport.prepare(STATE, 2, ["a:1"]) as push:
+        [_, chunk] = list(push.requests[0])
+        assert chunk.nccl_broadcast.master_port == 29651
+    assert transport.group(["a:1"]).master_port == 29651  # kept after a push that went through

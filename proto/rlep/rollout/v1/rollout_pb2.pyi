@@ -12,8 +12,17 @@ class WeightFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_FORMAT_UNSPECIFIED: _ClassVar[WeightFormat]
     SAFETENSORS: _ClassVar[WeightFormat]
+
+class BroadcastBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BROADCAST_BACKEND_UNSPECIFIED: _ClassVar[BroadcastBackend]
+    NCCL: _ClassVar[BroadcastBackend]
+    GLOO: _ClassVar[BroadcastBackend]
 WEIGHT_FORMAT_UNSPECIFIED: WeightFormat
 SAFETENSORS: WeightFormat
+BROADCAST_BACKEND_UNSPECIFIED: BroadcastBackend
+NCCL: BroadcastBackend
+GLOO: BroadcastBackend
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -128,18 +137,22 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared_file: _Optional[str] = ..., nccl_broadcast: _Optional[_Union[NcclBroadcast, _Mapping]] = ...) -> None: ...
 
 class NcclBroadcast(_message.Message):
-    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "tensors")
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "tensors", "backend", "timeout_s")
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    backend: BroadcastBackend
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., backend: _Optional[_Union[BroadcastBackend, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")

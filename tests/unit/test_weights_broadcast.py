@@ -1,9 +1,9 @@
-"""The NCCL weight path's manifest (pure logic; the broadcast itself needs GPUs and is not run here)."""
+"""The broadcast weight path's manifest and group (pure logic; tests/integration/test_weights_broadcast.py runs it)."""
 
 import pytest
 import torch
 
-from rlep.services.weights.nccl import manifest, manifest_bytes, manifest_digest, rank_offsets
+from rlep.services.weights.broadcast import BroadcastGroup, manifest, manifest_bytes, manifest_digest, rank_offsets
 from rlep.services.weights.payload import TensorInfo
 
 
@@ -34,3 +34,9 @@ def test_unsupported_dtypes_are_refused_by_name():
 def test_rank_offsets_leave_rank_zero_to_the_learner():
     assert rank_offsets(3, 1) == [1, 2, 3]
     assert rank_offsets(2, 4) == [1, 5]
+
+
+def test_a_group_names_a_known_backend():
+    assert BroadcastGroup("h", 1, 2).backend == "nccl"
+    with pytest.raises(ValueError, match="'nccl', 'gloo'"):
+        BroadcastGroup("h", 1, 2, backend="mpi")

@@ -1,0 +1,216 @@
+"""Weight pushes by collective broadcast: the manifest both sides agree on, the communicators, and both ends.
+
+vLLM's RLHF weight-sync pattern: the learner's rank 0 and every rollout worker form a stateless
+process group (rank 0 = learner, workers from `rank_offset` on) and the learner broadcasts each
+tensor of its state dict in manifest order. The control path stays the gRPC `UpdateWeights` call:
+its header carries the version and the manifest's digest, its `nccl_broadcast` chunk the group and
+the manifest, so the worker checks names, shapes and dtypes against the model before it receives a
+byte, and versions stay atomic with respect to generation as for the other transports.
+
+The group's `backend` picks the communicator; everything else is the same code:
+- `nccl`: vLLM's PyNcclCommunicator over its StatelessProcessGroup (GPUs). NOT exercised by CI.
+- `gloo`: a torch ProcessGroupGloo on its own TCPStore (any device, tensors go through host memory);
+  CI runs the whole path with it against a real vLLM CPU worker (tests/integration/test_weights_broadcast.py).
+Neither touches torch.distributed's default group, so DeepSpeed's group in the learner and vLLM's in the
+worker are left alone.
+
+Failures are bounded: gloo fails a tensor after `timeout_s` and at once when a peer's socket closes (a peer
+process died); a join fails after `timeout_s` once rank 0's store is up, but a worker whose rank 0 never
+comes waits out TCPStore's connect retries, measured at ~3x `timeout_s`. A failed communicator is closed and never reused: the next push builds a new
+group on a new port. NCCL has no such bound (a dead peer hangs the broadcast until the caller's RPC
+timeout; the worker thread stays blocked): that part only a GPU run could show.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlep.services.weights.payload import TensorInfo
+
+# torch dtype <-> safetensors spelling (what WeightSpec compares).
+SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+TORCH_DTYPE = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()}
+BACKENDS = ("nccl", "gloo")
+# A join waits for every rank, and a worker joins only once its engine finishes the batch it is generating:
+# long enough for a batch of long samples on a slow CPU, short enough that a dead peer is reported promptly.
+DEFAULT_TIMEOUT_S = 60.0
+_STORE_PREFIX = "rlep-weights"  # keys of our group in its store, apart from anything else using the port
+
+
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """Where the learner's rank 0 listens, how many ranks join (learner + all receiving workers), and how."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str = "nccl"
+    """`nccl` (GPUs) or `gloo` (TCP, any device)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Bound on joining the group and on each tensor; a peer that died fails it sooner."""
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"broadcast backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def manifest(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, TensorInfo]]:
+    """(name, dtype and shape) of every tensor, in the order they will be broadcast."""
+    out = []
+    for name, tensor in state_dict.items():
+        if tensor.dtype not in SAFETENSORS_DTYPE:
+            raise ValueError(f"{name}: dtype {tensor.dtype} cannot be broadcast (use float32, bfloat16 or float16)")
+        out.append((name, TensorInfo(SAFETENSORS_DTYPE[tensor.dtype], tuple(tensor.shape))))
+    return out
+
+
+def manifest_digest(entries: Sequence[tuple[str, TensorInfo]]) -> str:
+    """sha256 of the manifest in a canonical JSON form (what `WeightHeader.sha256` carries for a broadcast)."""
+    canonical = json.dumps([[name, info.dtype, list(info.shape)] for name, info in entries], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def manifest_bytes(entries: Sequence[tuple[str, TensorInfo]]) -> int:
+    return sum(info.nbytes for _, info in entries)
+
+
+def rank_offsets(replicas: int, workers_per_replica: int) -> list[int]:
+    """First group rank of each replica's workers (rank 0 is the learner)."""
+    return [1 + i * workers_per_replica for i in range(replicas)]
+
+
+class Communicator(ABC):
+    """One rank's membership of a broadcast group: `broadcast` moves a tensor from rank 0 to every rank."""
+
+    device: torch.device
+    """Where the tensors handed to `broadcast` must live."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` is sent; on every other rank it is overwritten in place. Raises when a peer fails."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Waits until every broadcast issued so far is done."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leaves the group; a closed (or failed) communicator is never used again."""
+
+
+class GlooCommunicator(Communicator):
+    """gloo over TCP on the CPU: a ProcessGroupGloo of our own, on a TCPStore that rank 0 hosts."""
+
+    def __init__(self, group: BroadcastGroup, rank: int):
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        timeout = datetime.timedelta(seconds=group.timeout_s)
+        self.device = torch.device("cpu")
+        # wait_for_workers=False: the ProcessGroupGloo constructor below is the rendezvous, bounded by `timeout`.
+        self._store = TCPStore(
+            group.master_address,
+            group.master_port,
+            group.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        self._group = ProcessGroupGloo(PrefixStore(_STORE_PREFIX, self._store), rank, group.world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        from torch.distributed import BroadcastOptions
+
+        options = BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self._group.broadcast([tensor], options).wait()
+
+    def synchronize(self) -> None:
+        pass  # each broadcast waited for its own completion
+
+    def close(self) -> None:
+        # Dropped explicitly: a gloo group whose peer died aborts the process if it is destroyed at interpreter exit.
+        self._group = self._store = None
+
+
+class NcclCommunicator(Communicator):
+    """NCCL between GPUs: vLLM's PyNcclCommunicator over its StatelessProcessGroup. NOT exercised by CI."""
+
+    def __init__(self, group: BroadcastGroup, rank: int, device: torch.device | None = None):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("an NCCL weight broadcast needs a GPU (use backend gloo on CPU)")
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        store = StatelessProcessGroup.create(
+            host=group.master_address,
+            port=group.master_port,
+            rank=rank,
+            world_size=group.world_size,
+            store_timeout=int(group.timeout_s),
+        )
+        self._nccl = PyNcclCommunicator(store, device=self.device)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self._nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        self._nccl = None
+
+
+def setup_communicator(group: BroadcastGroup, rank: int, device: torch.device | None = None) -> Communicator:
+    """Joins `group` as `rank` with the communicator its backend names (blocks until every rank joined)."""
+    if group.backend == "gloo":
+        return GlooCommunicator(group, rank)
+    return NcclCommunicator(group, rank, device)
+
+
+class WeightSender:
+    """The learner's end (rank 0): joins a group once, then broadcasts whole state dicts in manifest order.
+
+    The learner's policy keeps one per group. When a broadcast fails the communicator is closed (so the
+    other ranks see the failure at once instead of waiting out their timeout) and the error is raised.
+    """
+
+    def __init__(self, group: BroadcastGroup, device: torch.device | None = None):
+        self.group = group
+        self.communicator = setup_communicator(group, 0, device)
+
+    def broadcast(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        try:
+            for tensor in state_dict.values():
+                self.communicator.broadcast(tensor.to(self.communicator.device).contiguous())
+            self.communicator.synchronize()
+        except BaseException:
+            self.communicator.close()
+            raise
+
+    def close(self) -> None:
+        self.communicator.close()
+
+
+def receive_state_dict(
+    communicator: Communicator, entries: Sequence[tuple[str, TensorInfo]]
+) -> list[tuple[str, torch.Tensor]]:
+    """A receiving rank's side of one broadcast: every tensor of `entries`, in order, all of them or an error.
+
+    The whole state dict is received before any of it is loaded, so a broadcast that fails midway leaves the
+    model on its previous weights (the price: one extra copy of the weights while receiving).
+    """
+    out = []
+    for name, info in entries:
+        tensor = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype], device=communicator.device)
+        communicator.broadcast(tensor)
+        out.append((name, tensor))
+    communicator.synchronize()
+    return out
