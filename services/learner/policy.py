@@ -32,8 +32,8 @@ from rlep.services.learner.batch import ExperienceBatch, ScoringModel, micro_bat
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.weight_push import WeightPusher
 from rlep.services.rollout.client import PushResult, ReplicaTarget
-from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
+from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.payload import TensorInfo
 
 log = logging.getLogger(__name__)

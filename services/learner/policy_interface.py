@@ -16,8 +16,8 @@ import torch
 
 from rlep.services.learner.batch import ExperienceBatch
 from rlep.services.rollout.client import PushResult, ReplicaTarget
-from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.broadcast import BroadcastGroup
+from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.payload import TensorInfo
 
 __all__ = ["Policy", "spread_calls"]

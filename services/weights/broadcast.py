@@ -16,9 +16,9 @@ worker are left alone.
 
 Failures are bounded: gloo fails a tensor after `timeout_s` and at once when a peer's socket closes (a peer
 process died); a join fails after `timeout_s` once rank 0's store is up, but a worker whose rank 0 never
-comes waits out TCPStore's connect retries, measured at ~3x `timeout_s`. A failed communicator is closed and never reused: the next push builds a new
-group on a new port. NCCL has no such bound (a dead peer hangs the broadcast until the caller's RPC
-timeout; the worker thread stays blocked): that part only a GPU run could show.
+comes waits out TCPStore's connect retries, measured at ~3x `timeout_s`. A failed communicator is closed and
+never reused: the next push builds a new group on a new port. NCCL has no such bound (a dead peer hangs the
+broadcast until the caller's RPC timeout; the worker thread stays blocked): that part only a GPU run could show.
 """
 
 from __future__ import annotations
