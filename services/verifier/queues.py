@@ -2,9 +2,11 @@
 
 Items with the same gold answer go to the same worker, so that worker's parse cache parses the gold
 answer once for all of a question's G responses. A worker whose own queue is empty takes work from
-the tail of the longest other queue, so a call with one gold answer (or an unlucky split) still keeps
-every worker busy; taking from the tail keeps the owner's head, and the thief tends to take a run of
-items of one gold answer (callers send a question's responses together), so it parses that one once.
+the tail of the longest other queue whose owner is busy, so a call with one gold answer (or an unlucky
+split) still keeps every worker busy. Not from an idle owner's queue: that owner is about to take the
+items itself, with the gold answer maybe already parsed. Taking from the tail keeps the owner's head,
+and the thief tends to take a run of items of one gold answer (callers send a question's responses
+together), so it parses that one once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WorkQueues(Generic[T]):
         self._queues: list[collections.deque[T]] = [collections.deque() for _ in range(num_workers)]
         self._cond = threading.Condition()
         self._closed = False
+        self._idle = [False] * num_workers  # blocked in `get`, waiting for work
 
     def worker_for(self, gold: str) -> int:
         """The worker a gold answer belongs to: crc32, not `hash`, so the split is the same in every run."""
@@ -44,22 +47,29 @@ class WorkQueues(Generic[T]):
             self._cond.notify_all()
 
     def get(self, index: int, block: bool) -> T | Closed | None:
-        """Worker `index`'s next item, else one stolen from the longest queue's tail.
+        """Worker `index`'s next item, else one stolen from the tail of the longest queue of a busy owner.
 
-        None when nothing is queued and `block` is False; `CLOSED` once closed and nothing is left.
+        None when nothing is ready and `block` is False; `CLOSED` once closed and nothing is left.
         """
         with self._cond:
             while True:
                 own = self._queues[index]
                 if own:
-                    return own.popleft()
-                victim = max(self._queues, key=len)
-                if victim:
-                    return victim.pop()
-                if self._closed:
+                    self._idle[index] = False
+                    item = own.popleft()
+                    if own:  # items left: idle workers may now steal them from a busy owner
+                        self._cond.notify_all()
+                    return item
+                stealable = [q for q, idle in zip(self._queues, self._idle, strict=True) if q and not idle]
+                if stealable:
+                    self._idle[index] = False
+                    return max(stealable, key=len).pop()
+                if self._closed and not any(self._queues):
+                    self._idle[index] = False
                     return CLOSED
                 if not block:
                     return None
+                self._idle[index] = True
                 self._cond.wait()
 
     def close(self) -> None:
