@@ -56,15 +56,18 @@ def test_the_queue_of_an_idle_owner_is_left_to_it():
     queues: WorkQueues[str] = WorkQueues(2)
     [gold_b] = _golds_of_worker(queues, 1, 1)
     taken: list = []
-    owner = threading.Thread(target=lambda: taken.append(queues.get(1, block=True)))
+    owner = threading.Thread(target=lambda: taken.append(queues.get(1, block=True)), daemon=True)
     owner.start()
-    deadline = time.monotonic() + 10
-    while not queues._idle[1]:  # the owner is blocked in get, waiting
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    queues.put([(gold_b, "b1")])
-    assert queues.get(0, block=False) is None  # not stolen, whether or not the owner has woken yet
-    owner.join(timeout=10)
+    try:
+        deadline = time.monotonic() + 10
+        while not queues._idle[1]:  # the owner is blocked in get, waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        queues.put([(gold_b, "b1")])
+        assert queues.get(0, block=False) is None  # not stolen, whether or not the owner has woken yet
+    finally:
+        queues.close()  # releases the owner if it still waits
+        owner.join(timeout=10)
     assert taken == ["b1"]
 
 
