@@ -328,9 +328,13 @@ class VerifyPool:
                 time.sleep(1.0)
         self._on_restart(reason)
 
-    def start(self, items: Sequence[tuple[str, str]]) -> VerifyBatch:
-        """Answers what it can at once and queues the rest; wait on (or cancel) the returned batch."""
+    def start(self, items: Sequence[tuple[str, str]], use_cache: bool = True) -> VerifyBatch:
+        """Answers what it can at once and queues the rest; wait on (or cancel) the returned batch.
+
+        `use_cache=False` sends every item that needs math-verify to a worker (health probes must reach one).
+        """
         batch = VerifyBatch(len(items))
+        share = self._share and use_cache
         prepared = [prepare_check(response, gold, self._options) for response, gold in items]  # outside the lock
         ready: list[tuple[int, CheckResult]] = []
         new_jobs: list[_Job] = []
@@ -340,7 +344,7 @@ class VerifyPool:
                 if isinstance(key, CheckResult):
                     ready.append((i, key))
                     continue
-                if self._share:
+                if share:
                     if (verdict := self._verdicts.get(key)) is not None:
                         ready.append((i, CheckResult(verdict, key.answer, 0.0)))
                         hits += 1
@@ -350,12 +354,12 @@ class VerifyPool:
                         joins += 1
                         continue
                 job = _Job(key, [(batch, i)])
-                if self._share:
+                if share:
                     self._in_flight[key] = job
                 new_jobs.append(job)
         self._count("decided", len(ready) - hits)
         self._count("cached", hits)
-        if self._share:
+        if share:
             self._on_cache("verdict", True, hits)
             self._on_cache("verdict", False, len(new_jobs) + joins)
             self._on_cache("in_flight", True, joins)
@@ -364,9 +368,11 @@ class VerifyPool:
             batch.set_result(i, result)
         return batch
 
-    def verify(self, items: Sequence[tuple[str, str]], timeout_s: float | None = None) -> list[CheckResult]:
+    def verify(
+        self, items: Sequence[tuple[str, str]], timeout_s: float | None = None, use_cache: bool = True
+    ) -> list[CheckResult]:
         """Checks every item; results in order. Raises TimeoutError if `timeout_s` runs out first."""
-        batch = self.start(items)
+        batch = self.start(items, use_cache)
         try:
             return batch.wait(timeout_s)
         finally:

@@ -125,3 +125,14 @@ def test_service_counts_cache_hits(verifier, verifier_client, auth_token_file):
     after = {s: series_value(scrape(verifier.metrics_port, token), s) for s in (hits, joined, gold_hits)}
     assert after[hits] - before[hits] == 1 and after[joined] - before[joined] == 1
     assert after[gold_hits] - before[gold_hits] == 1
+
+
+def test_a_probe_past_the_cache_reaches_a_worker(cached_pool):
+    """Health checks use `use_cache=False`: answered from the cache, they would prove nothing about workers."""
+    item = ("\\boxed{1}", "1")
+    cached_pool.verify([item], timeout_s=60)
+    before = cached_pool.counts()
+    [result] = cached_pool.verify([item], timeout_s=60, use_cache=False)
+    after = cached_pool.counts()
+    assert result.verdict == Verdict.CORRECT
+    assert (after["checked"] - before["checked"], after["cached"] - before["cached"]) == (1, 0)
