@@ -34,6 +34,14 @@ class VerifierConfig(StrictModel):
     """Larger batches get INVALID_ARGUMENT (the client splits big batches for you)."""
     worker_memory_mb: int = Field(4096, ge=0)
     """Address-space limit per worker in MiB (0 = unlimited); runaway inputs get ERROR, not an OOM."""
+    verdict_cache_size: int = Field(65_536, ge=0, le=10_000_000)
+    """Verdicts kept in the server process by (extracted answer, gold answer), least recently used first out;
+    0 turns it off, and with it the sharing of one check among identical items in flight. Only verdicts that
+    are functions of that pair are kept (correct, wrong, unparseable, gold_unparseable), so a hit returns what
+    a fresh check would. An entry holds two strings of at most max_answer_chars: ~0.2 KB typical, ~2 KB worst."""
+    parse_cache_size: int = Field(4096, ge=0, le=1_000_000)
+    """Parsed gold answers, and as many parsed extracted answers, kept in each worker (LRU; 0 = none). Items
+    go to the worker that owns their gold answer, so a question's G responses parse it once."""
     reward_correct: float = 1.0
     """Reward of a CORRECT verdict."""
     reward_wrong: float = -1.0

@@ -33,8 +33,11 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
         item_timeout_s=config.item_timeout_s,
         options=CheckOptions(max_answer_chars=config.max_answer_chars, parse_timeout_s=config.parse_timeout_s),
         memory_limit_mb=config.worker_memory_mb,
+        verdict_cache_size=config.verdict_cache_size,
+        parse_cache_size=config.parse_cache_size,
         on_restart=lambda reason: metrics.worker_restarts.labels(reason).inc(),
         on_skip=metrics.items_dropped.inc,
+        on_cache=metrics.count_cache_lookups,
     )
     metrics.workers.set(config.num_workers)
     servicer = VerifierServicer(pool, config, metrics)

@@ -1,4 +1,4 @@
-"""A pool of verifier worker processes with a hard per-item timeout and per-request cancellation.
+"""A pool of verifier worker processes: hard per-item timeouts, per-request cancellation, no repeated work.
 
 Why not `concurrent.futures.ProcessPoolExecutor`: it cannot kill one hung worker; a single
 pathological answer (sympy stuck in C code, where no signal handler runs) would stall or break the
@@ -7,96 +7,54 @@ items in the worker's pipe, waits at most `item_timeout_s` for each answer, and 
 crash kills and replaces that process. Only the item at the head is blamed: it gets TIMEOUT (or,
 after a second crash, ERROR); the items sent behind it are sent again to the replacement.
 
-A verify call is a `VerifyBatch`. Cancelling it (the caller gave up, or its deadline passed) makes
-the dispatchers drop its items that are not yet in a worker's pipe; at most `WINDOW` items per
-worker that were already sent still run (each bounded by `item_timeout_s`).
+Work the pool skips (RL checks a question's G responses together, and many share a final answer):
+- `prepare_check` runs here, in the caller's thread: items with no answer, or an answer or gold answer
+  over `max_answer_chars`, are decided without a worker.
+- The verdict cache (`verdict_cache_size` entries, LRU) maps a `CheckKey` (extracted answer, stripped
+  gold answer; the pool's options are fixed) to its verdict. Only CORRECT, WRONG, UNPARSEABLE and
+  GOLD_UNPARSEABLE are stored: they are functions of the key. TIMEOUT and ERROR depend on the process
+  (CPU, memory, a kill) and are never stored, so a later call checks that key afresh.
+- An item whose key is already queued or running joins that check instead of queuing its own, and
+  gets its result, whatever it is. That includes a TIMEOUT/ERROR, on purpose: the identical input was
+  being checked at that moment, and checking it again would cost another `item_timeout_s` and worker
+  restart per copy (16 copies of one pathological answer would stall a worker for 16 timeouts).
+  Joining is part of the verdict cache: `verdict_cache_size=0` turns both off.
+- Checks go to the worker that owns their gold answer (`WorkQueues`), so the worker's parse cache
+  (`parse_cache_size` gold answers and as many extracted answers) parses it once.
+A result that did not run a check (decided, cached, joined) has `seconds` 0: no worker time was spent on it.
 
-Only our own processes on this host exchange pickled data over these pipes; nothing from the
-network is unpickled (the gRPC layer hands us plain strings).
+A verify call is a `VerifyBatch`. Cancelling it (the caller gave up, or its deadline passed) makes
+the dispatchers drop its checks that are not yet in a worker's pipe, unless another live call joined
+them; at most `WINDOW` checks per worker that were already sent still run (each bounded by
+`item_timeout_s`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing as mp
-import queue
-import resource
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
 
 from rlep.common.types import Verdict
-from rlep.services.verifier.core import CheckOptions, CheckResult, check_answer
+from rlep.services.verifier.cache import LruCache
+from rlep.services.verifier.core import CheckKey, CheckOptions, CheckResult, prepare_check
+from rlep.services.verifier.queues import CLOSED, WorkQueues
+from rlep.services.verifier.worker import ParseStats, Worker
 
 log = logging.getLogger(__name__)
 
-# A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
-WORKER_START_TIMEOUT_S = 60.0
-_READY = "ready"
 # Items in one worker's pipe at a time: the next ones wait there while one runs, so the worker does not
 # idle while its dispatcher thread waits to be scheduled (on a loaded host a window of 2 measured slower
 # than 4), and a cancelled request still costs at most this many items per worker.
 WINDOW = 4
-# Checked before a worker reports ready, so the lazy imports of a first check (~0.06 s of CPU) are not
-# billed to a real item's CPU limit.
-WARMUP_ITEMS = (("\\boxed{\\frac{1}{2}+\\sqrt{2}}", "0.5+\\sqrt{2}"), ("\\boxed{\\sum_{k=1}^{3} k}", "6"))
-
-
-def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int) -> None:
-    """Runs in the worker process: answer (response, ground_truth) pairs until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    if memory_limit_mb > 0:  # a runaway sympy expansion gets MemoryError, not the host's OOM killer
-        limit = memory_limit_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    for name in ("math_verify.parser", "math_verify.grader"):  # "you must provide the timeout yourself": we do
-        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
-    for response, ground_truth in WARMUP_ITEMS:
-        check_answer(response, ground_truth, options)
-    conn.send(_READY)
-    while True:
-        try:
-            response, ground_truth = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            result = check_answer(response, ground_truth, options)
-        except BaseException:  # MemoryError & co: the item failed, the worker lives on
-            result = CheckResult(Verdict.ERROR, "")
-        conn.send(result)
-
-
-class _Worker:
-    """One worker process and its pipe; restarted in place after a timeout or crash."""
-
-    def __init__(self, ctx: mp.context.BaseContext, options: CheckOptions, memory_limit_mb: int):
-        self._ctx, self._options, self._memory_limit_mb = ctx, options, memory_limit_mb
-        self._start()
-
-    def _start(self) -> None:
-        parent, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(
-            target=_worker_main, args=(child, self._options, self._memory_limit_mb), daemon=True
-        )
-        self.process.start()
-        child.close()
-        self.conn = parent
-        if not parent.poll(WORKER_START_TIMEOUT_S) or parent.recv() != _READY:
-            raise RuntimeError("verifier worker did not start")
-
-    def restart(self) -> None:
-        self.kill()
-        self._start()
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+# Verdicts that are functions of the CheckKey alone, hence safe to reuse (see the module docstring).
+CACHEABLE = frozenset({Verdict.CORRECT, Verdict.WRONG, Verdict.UNPARSEABLE, Verdict.GOLD_UNPARSEABLE})
 
 
 class VerifyBatch:
@@ -135,15 +93,12 @@ class VerifyBatch:
             raise TimeoutError(f"{self._remaining} of {self.size} items unfinished after {timeout_s}s")
 
 
-@dataclass
-class _Task:
-    batch: VerifyBatch
-    index: int
-    response: str
-    ground_truth: str
+@dataclass(eq=False)
+class _Job:
+    """One check of a key, and every item (batch, position) waiting for its result; the first is the leader."""
 
-
-_STOP = object()  # one per dispatcher thread, queued by close()
+    key: CheckKey
+    waiters: list[tuple[VerifyBatch, int]] = field(default_factory=list)
 
 
 class VerifyPool:
@@ -152,10 +107,14 @@ class VerifyPool:
     Args:
         num_workers: worker processes (one per core is the sweet spot: the work is CPU-bound).
         item_timeout_s: hard wall-clock limit for one item in a worker; past it the worker is replaced.
-        options: limits passed to `check_answer`.
+        options: limits passed to `check_key`.
         memory_limit_mb: address-space limit of each worker (0 = none).
+        verdict_cache_size: verdicts kept by key (LRU); 0 turns the verdict cache and joining off.
+        parse_cache_size: parsed gold answers, and as many parsed extracted answers, kept per worker (LRU).
         on_restart: called with "timeout" or "crash" each time a worker is replaced (metrics).
         on_skip: called once for each item dropped unchecked because its batch was cancelled (metrics).
+        on_cache: called with (cache, hit, count) for lookups: cache is "verdict", "in_flight", "gold" or
+            "answer" (metrics). A verdict-cache miss that joins a running check reports ("in_flight", True).
     """
 
     def __init__(
@@ -164,24 +123,36 @@ class VerifyPool:
         item_timeout_s: float,
         options: CheckOptions = CheckOptions(),
         memory_limit_mb: int = 0,
+        verdict_cache_size: int = 0,
+        parse_cache_size: int = 4096,
         on_restart: Callable[[str], None] | None = None,
         on_skip: Callable[[], None] | None = None,
+        on_cache: Callable[[str, bool, int], None] | None = None,
     ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.item_timeout_s = item_timeout_s
+        self._options = options
         self._on_restart = on_restart or (lambda reason: None)
         self._on_skip = on_skip or (lambda: None)
-        self._tasks: queue.SimpleQueue[_Task | object] = queue.SimpleQueue()
+        self._on_cache = on_cache or (lambda cache, hit, count: None)
+        self._queues: WorkQueues[_Job] = WorkQueues(num_workers)
+        # Guards the verdict cache, the checks in flight by key, and every job's waiters.
+        self._jobs_lock = threading.Lock()
+        self._verdicts: LruCache[CheckKey, Verdict] = LruCache(verdict_cache_size)
+        self._in_flight: dict[CheckKey, _Job] = {}
+        self._share = verdict_cache_size > 0
         self._counts_lock = threading.Lock()
-        # checked: answers from workers; skipped: dropped as cancelled; resent: in a worker's pipe when it
-        # was replaced, so sent again. Per worker: answers from each worker slot.
-        self._counts = {"checked": 0, "skipped": 0, "resent": 0}
+        # checked: checks answered by workers; skipped: items dropped as cancelled; resent: checks in a worker's
+        # pipe when it was replaced, so sent again; decided: items needing no math-verify; cached: items
+        # answered from the verdict cache; joined: items answered by an identical item's check.
+        self._counts = {k: 0 for k in ("checked", "skipped", "resent", "decided", "cached", "joined")}
         self._checked_by_worker = [0] * num_workers
+        self._gold_parsed_by_worker = [0] * num_workers
         self._busy = [threading.Event() for _ in range(num_workers)]
         # spawn, not fork: the parent runs gRPC threads, and forking a threaded process is unsafe.
         ctx = mp.get_context("spawn")
-        self._workers = [_Worker(ctx, options, memory_limit_mb) for _ in range(num_workers)]
+        self._workers = [Worker(ctx, options, memory_limit_mb, parse_cache_size) for _ in range(num_workers)]
         self._threads = [
             threading.Thread(target=self._dispatch, args=(i,), name=f"verify-{i}", daemon=True)
             for i in range(num_workers)
@@ -193,10 +164,22 @@ class VerifyPool:
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
 
+    def worker_for(self, gold: str) -> int:
+        """The worker index that checks items with this gold answer (unless another one is idle and steals)."""
+        return self._queues.worker_for(gold.strip())
+
     def counts(self) -> dict[str, int | list[int]]:
-        """Work done so far: items checked (in total and per worker slot), skipped and re-sent."""
+        """Work done so far (see `__init__` for the keys), plus per worker slot: checks and gold answers parsed."""
         with self._counts_lock:
-            return {**self._counts, "checked_by_worker": list(self._checked_by_worker)}
+            return {
+                **self._counts,
+                "checked_by_worker": list(self._checked_by_worker),
+                "gold_parsed_by_worker": list(self._gold_parsed_by_worker),
+            }
+
+    def verdict_cache_entries(self) -> int:
+        with self._jobs_lock:
+            return len(self._verdicts)
 
     def wait_busy(self, worker_index: int, timeout_s: float) -> bool:
         """Blocks until that worker has an item in its pipe or running; False if `timeout_s` passes first.
@@ -206,57 +189,79 @@ class VerifyPool:
         """
         return self._busy[worker_index].wait(timeout_s)
 
-    def _count(self, key: str, n: int = 1, worker_index: int | None = None) -> None:
+    def _count(self, key: str, n: int = 1) -> None:
         with self._counts_lock:
             self._counts[key] += n
-            if worker_index is not None:
-                self._checked_by_worker[worker_index] += n
 
-    def _next_task(self, resend: collections.deque[_Task], block: bool, use_queue: bool) -> _Task | object | None:
-        """The next item of a live batch (taken-back items first), `_STOP`, or None when none is ready."""
+    def _claim(self, job: _Job) -> bool:
+        """True when some caller still waits for the job; else forgets it and counts its items as skipped."""
+        with self._jobs_lock:
+            if any(not batch.cancelled for batch, _ in job.waiters):
+                return True
+            if self._in_flight.get(job.key) is job:
+                del self._in_flight[job.key]
+            dropped = len(job.waiters)
+        self._count("skipped", dropped)
+        for _ in range(dropped):
+            self._on_skip()
+        return False
+
+    def _finish(self, job: _Job, result: CheckResult) -> None:
+        """Hands a check's result to every waiting item; stores it when it is a function of the key."""
+        with self._jobs_lock:
+            if self._in_flight.get(job.key) is job:
+                del self._in_flight[job.key]
+            if self._share and result.verdict in CACHEABLE:
+                self._verdicts.put(job.key, result.verdict)
+            waiters = list(job.waiters)  # no one joins once the job left _in_flight
+        (batch, index), *joined = waiters
+        batch.set_result(index, result)
+        if joined:
+            shared = dataclasses.replace(result, seconds=0.0)
+            for batch, index in joined:
+                batch.set_result(index, shared)
+            self._count("joined", len(joined))
+
+    def _next_job(self, index: int, resend: collections.deque[_Job], block: bool, use_queue: bool):
+        """The next job someone waits for (taken-back ones first), `CLOSED`, or None when none is ready."""
         while True:
             if resend:
-                task = resend.popleft()
+                job = resend.popleft()
             elif not use_queue:
                 return None
             else:
-                try:
-                    task = self._tasks.get() if block else self._tasks.get_nowait()
-                except queue.Empty:
-                    return None
-                if task is _STOP:
-                    return _STOP
-            if not task.batch.cancelled:
-                return task
-            self._count("skipped")
-            self._on_skip()
+                job = self._queues.get(index, block)
+                if job is None or job is CLOSED:
+                    return job
+            if self._claim(job):
+                return job
 
     def _dispatch(self, index: int) -> None:
         worker, busy = self._workers[index], self._busy[index]
-        sent: collections.deque[_Task] = collections.deque()  # in the worker's pipe, in order
-        resend: collections.deque[_Task] = collections.deque()  # taken back from a replaced worker
+        sent: collections.deque[_Job] = collections.deque()  # in the worker's pipe, in order
+        resend: collections.deque[_Job] = collections.deque()  # taken back from a replaced worker
         head_since = 0.0  # when the head item of `sent` started running
-        retried: _Task | None = None  # the item that already caused one crash
-        stopping = False  # this thread took its stop signal: it finishes what it holds, takes nothing new
+        retried: _Job | None = None  # the item that already caused one crash
+        stopping = False  # the queues are closed and empty: finish what this thread holds, take nothing new
         while True:
             while len(sent) < WINDOW:
-                task = self._next_task(resend, block=not sent, use_queue=not stopping)
-                if task is _STOP:
+                job = self._next_job(index, resend, block=not sent, use_queue=not stopping)
+                if job is CLOSED:
                     stopping = True
                     continue
-                if task is None:
+                if job is None:
                     break
                 if not sent and not worker.process.is_alive():  # died while idle: no item's fault
                     self._replace(worker, "crash")
                 try:
-                    worker.conn.send((task.response, task.ground_truth))
+                    worker.conn.send((job.key.answer, job.key.gold))
                 except OSError:  # died with items in its pipe: the receive below blames the head
-                    resend.appendleft(task)
+                    resend.appendleft(job)
                     break
                 if not sent:
                     head_since = time.monotonic()
                     busy.set()
-                sent.append(task)
+                sent.append(job)
             if not sent:
                 if resend:  # the worker died between the idle check and the send
                     self._replace(worker, "crash")
@@ -274,7 +279,7 @@ class VerifyPool:
             if reason == "timeout" or head is retried:
                 sent.popleft()
                 verdict = Verdict.TIMEOUT if reason == "timeout" else Verdict.ERROR
-                head.batch.set_result(head.index, CheckResult(verdict, "", self.item_timeout_s))
+                self._finish(head, CheckResult(verdict, "", self.item_timeout_s))
             else:
                 retried = head
                 self._count("resent")
@@ -283,22 +288,36 @@ class VerifyPool:
         busy.clear()
         worker.kill()
 
-    def _receive(self, worker: _Worker, sent: collections.deque[_Task], head_since: float, index: int) -> str | None:
+    def _receive(self, worker: Worker, sent: collections.deque[_Job], head_since: float, index: int) -> str | None:
         """Waits for the head item's answer; None when it came, else "timeout" or "crash"."""
         try:
             if not worker.conn.poll(max(0.0, self.item_timeout_s - (time.monotonic() - head_since))):
                 return "timeout"
-            result = worker.conn.recv()
+            result, stats = worker.conn.recv()
         except (EOFError, OSError):
             return "crash"
-        task = sent.popleft()
+        job = sent.popleft()
         if not sent:
             self._busy[index].clear()  # before the result is set (see `wait_busy`)
-        task.batch.set_result(task.index, result)
-        self._count("checked", worker_index=index)
+        with self._counts_lock:
+            self._counts["checked"] += 1
+            self._checked_by_worker[index] += 1
+            self._gold_parsed_by_worker[index] += stats.gold_misses
+        self._report_parses(stats)
+        self._finish(job, result)
         return None
 
-    def _replace(self, worker: _Worker, reason: str) -> None:
+    def _report_parses(self, stats: ParseStats) -> None:
+        for cache, hits, misses in (
+            ("gold", stats.gold_hits, stats.gold_misses),
+            ("answer", stats.answer_hits, stats.answer_misses),
+        ):
+            if hits:
+                self._on_cache(cache, True, hits)
+            if misses:
+                self._on_cache(cache, False, misses)
+
+    def _replace(self, worker: Worker, reason: str) -> None:
         log.warning("verifier worker %s: %s; replacing it", worker.process.pid, reason)
         while True:  # a worker that fails to start (e.g. fork limits) is retried, never abandoned
             try:
@@ -309,23 +328,57 @@ class VerifyPool:
                 time.sleep(1.0)
         self._on_restart(reason)
 
-    def start(self, items: Sequence[tuple[str, str]]) -> VerifyBatch:
-        """Queues every item; wait on (or cancel) the returned batch."""
+    def start(self, items: Sequence[tuple[str, str]], use_cache: bool = True) -> VerifyBatch:
+        """Answers what it can at once and queues the rest; wait on (or cancel) the returned batch.
+
+        `use_cache=False` sends every item that needs math-verify to a worker (health probes must reach one).
+        """
         batch = VerifyBatch(len(items))
-        for i, (response, gold) in enumerate(items):
-            self._tasks.put(_Task(batch, i, response, gold))
+        share = self._share and use_cache
+        prepared = [prepare_check(response, gold, self._options) for response, gold in items]  # outside the lock
+        ready: list[tuple[int, CheckResult]] = []
+        new_jobs: list[_Job] = []
+        hits = joins = 0
+        with self._jobs_lock:
+            for i, key in enumerate(prepared):
+                if isinstance(key, CheckResult):
+                    ready.append((i, key))
+                    continue
+                if share:
+                    if (verdict := self._verdicts.get(key)) is not None:
+                        ready.append((i, CheckResult(verdict, key.answer, 0.0)))
+                        hits += 1
+                        continue
+                    if (job := self._in_flight.get(key)) is not None:
+                        job.waiters.append((batch, i))
+                        joins += 1
+                        continue
+                job = _Job(key, [(batch, i)])
+                if share:
+                    self._in_flight[key] = job
+                new_jobs.append(job)
+        self._count("decided", len(ready) - hits)
+        self._count("cached", hits)
+        if share:
+            self._on_cache("verdict", True, hits)
+            self._on_cache("verdict", False, len(new_jobs) + joins)
+            self._on_cache("in_flight", True, joins)
+        self._queues.put([(job.key.gold, job) for job in new_jobs])
+        for i, result in ready:
+            batch.set_result(i, result)
         return batch
 
-    def verify(self, items: Sequence[tuple[str, str]], timeout_s: float | None = None) -> list[CheckResult]:
+    def verify(
+        self, items: Sequence[tuple[str, str]], timeout_s: float | None = None, use_cache: bool = True
+    ) -> list[CheckResult]:
         """Checks every item; results in order. Raises TimeoutError if `timeout_s` runs out first."""
-        batch = self.start(items)
+        batch = self.start(items, use_cache)
         try:
             return batch.wait(timeout_s)
         finally:
             batch.cancel()  # after a timeout: the unsent items are dropped, not checked for nobody
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._tasks.put(_STOP)
+        self._queues.close()
         for thread in self._threads:
             thread.join(timeout=10)

@@ -39,8 +39,10 @@ class VerifierReplica:
         return self.address
 
     def check_health(self) -> None:
-        # One trivial check through the pool: proves a worker answers, not merely that processes exist.
-        [result] = self._running.pool.verify([(r"\boxed{1}", "1")], timeout_s=HEALTH_CHECK_TIMEOUT_S)
+        # One trivial check through the pool: proves a worker answers, not merely that processes exist
+        # (past the verdict cache, which would answer it without any worker after the first probe).
+        pool = self._running.pool
+        [result] = pool.verify([(r"\boxed{1}", "1")], timeout_s=HEALTH_CHECK_TIMEOUT_S, use_cache=False)
         if result.verdict != Verdict.CORRECT:
             raise RuntimeError(f"the verifier pool answered {result.verdict.value} to a trivial check")
 

@@ -23,6 +23,7 @@ from rlep.services.verifier.pool import VerifyPool
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
+CACHES = ("verdict", "in_flight", "gold", "answer")
 
 
 class VerifierMetrics:
@@ -58,8 +59,26 @@ class VerifierMetrics:
             "rlep_verifier_items_dropped_total",
             "Items never checked because their call was cancelled or ran out of time",
         )
+        self.cache_hits = m.counter(
+            "rlep_verifier_cache_hits_total",
+            "Lookups answered without the work: verdict (server's verdict cache), in_flight (joined an identical"
+            " item's check), gold / answer (a worker's parse caches)",
+            ["cache"],
+            CACHES,
+        )
+        self.cache_misses = m.counter(
+            "rlep_verifier_cache_misses_total",
+            "Lookups that found nothing: verdict (includes those that then joined a check in flight), gold, answer",
+            ["cache"],
+            ("verdict", "gold", "answer"),
+        )
         self.items_in_flight = m.gauge("rlep_verifier_items_in_flight", "Items submitted and not yet answered")
         self.workers = m.gauge("rlep_verifier_workers", "Worker processes in the pool")
+
+    def count_cache_lookups(self, cache: str, hit: bool, count: int) -> None:
+        """The pool's `on_cache` callback."""
+        if count:
+            (self.cache_hits if hit else self.cache_misses).labels(cache).inc(count)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):

@@ -1,0 +1,90 @@
+"""One verifier worker process: the loop it runs and the parent's handle that starts, kills and restarts it.
+
+The parent sends `(answer, gold)` pairs (a `CheckKey`'s fields); the worker answers each with
+`(CheckResult, ParseStats)`, the stats saying which of its parse caches the check hit. Only our own
+processes on this host exchange pickled data over these pipes; nothing from the network is unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import resource
+import signal
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+from rlep.common.types import Verdict
+from rlep.services.verifier.core import CheckKey, CheckOptions, CheckResult, ParseCache, check_answer, check_key
+
+# A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
+WORKER_START_TIMEOUT_S = 60.0
+_READY = "ready"
+# Checked before a worker reports ready, so the lazy imports of a first check (~0.06 s of CPU) are not
+# billed to a real item's CPU limit.
+WARMUP_ITEMS = (("\\boxed{\\frac{1}{2}+\\sqrt{2}}", "0.5+\\sqrt{2}"), ("\\boxed{\\sum_{k=1}^{3} k}", "6"))
+
+
+class ParseStats(NamedTuple):
+    """Lookups of one check in the worker's parse caches (each 0 or 1)."""
+
+    gold_hits: int = 0
+    gold_misses: int = 0
+    answer_hits: int = 0
+    answer_misses: int = 0
+
+
+def _snapshot(cache: ParseCache) -> ParseStats:
+    return ParseStats(cache.gold.hits, cache.gold.misses, cache.answers.hits, cache.answers.misses)
+
+
+def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, parse_cache_size: int) -> None:
+    """Runs in the worker process: answer (answer, gold) pairs until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    if memory_limit_mb > 0:  # a runaway sympy expansion gets MemoryError, not the host's OOM killer
+        limit = memory_limit_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    for name in ("math_verify.parser", "math_verify.grader"):  # "you must provide the timeout yourself": we do
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    cache = ParseCache(parse_cache_size)
+    for response, ground_truth in WARMUP_ITEMS:
+        check_answer(response, ground_truth, options, cache)
+    conn.send(_READY)
+    while True:
+        try:
+            answer, gold = conn.recv()
+        except (EOFError, OSError):
+            return
+        before = _snapshot(cache)
+        try:
+            result = check_key(CheckKey(answer, gold), options, cache)
+        except BaseException:  # anything else: the item failed, the worker lives on
+            result = CheckResult(Verdict.ERROR, "")
+        conn.send((result, ParseStats(*(a - b for a, b in zip(_snapshot(cache), before, strict=True)))))
+
+
+class Worker:
+    """One worker process and its pipe; restarted in place after a timeout or crash."""
+
+    def __init__(self, ctx: mp.context.BaseContext, options: CheckOptions, memory_limit_mb: int, parse_cache_size: int):
+        self._ctx, self._args = ctx, (options, memory_limit_mb, parse_cache_size)
+        self._start()
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self.process = self._ctx.Process(target=_worker_main, args=(child, *self._args), daemon=True)
+        self.process.start()
+        child.close()
+        self.conn = parent
+        if not parent.poll(WORKER_START_TIMEOUT_S) or parent.recv() != _READY:
+            raise RuntimeError("verifier worker did not start")
+
+    def restart(self) -> None:
+        self.kill()
+        self._start()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()

@@ -1,0 +1,121 @@
+"""The verifier's caches and routing as pure logic: LRU bound, per-worker queues, cached parses = fresh ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlep.common.types import Verdict
+from rlep.services.verifier.cache import LruCache
+from rlep.services.verifier.core import CheckKey, CheckOptions, ParseCache, check_answer, check_key, prepare_check
+from rlep.services.verifier.queues import CLOSED, WorkQueues
+
+
+def test_lru_cache_holds_its_bound_and_drops_the_least_recently_used():
+    cache: LruCache[int, str] = LruCache(3)
+    for key in range(3):
+        cache.put(key, str(key))
+    assert cache.get(0) == "0"  # 0 is now the most recent: 1 goes first
+    for key in range(3, 10):
+        cache.put(key, str(key))
+        assert len(cache) <= 3
+    assert len(cache) == 3
+    assert [cache.get(k) for k in (7, 8, 9)] == ["7", "8", "9"]
+    assert cache.get(0) is None and cache.get(1) is None
+    assert (cache.hits, cache.misses) == (4, 2)
+
+
+def test_lru_cache_of_size_zero_stores_nothing():
+    cache: LruCache[str, int] = LruCache(0)
+    cache.put("a", 1)
+    assert cache.get("a") is None and len(cache) == 0
+
+
+def _golds_of_worker(queues: WorkQueues, worker: int, count: int) -> list[str]:
+    return [g for g in (str(n) for n in range(1000)) if queues.worker_for(g) == worker][:count]
+
+
+def test_items_with_one_gold_answer_go_to_one_worker_and_idle_workers_steal_from_the_tail():
+    queues: WorkQueues[str] = WorkQueues(2)
+    [gold_a], [gold_b] = _golds_of_worker(queues, 0, 1), _golds_of_worker(queues, 1, 1)
+    queues.put([(gold_a, "a1"), (gold_b, "b1"), (gold_a, "a2"), (gold_b, "b2"), (gold_b, "b3")])
+    assert queues.sizes() == [2, 3]
+    assert [queues.get(0, block=False), queues.get(0, block=False)] == ["a1", "a2"]
+    assert queues.get(1, block=False) == "b1"  # the owner keeps its head
+    assert queues.get(0, block=False) == "b3"  # worker 0 has nothing left: it takes the tail of worker 1
+    assert queues.get(1, block=False) == "b2"
+    assert queues.get(0, block=False) is None
+    queues.close()
+    assert queues.get(1, block=True) is CLOSED
+
+
+def test_the_queue_of_an_idle_owner_is_left_to_it():
+    """An owner waiting for work takes its gold answers itself (its parse cache may hold them): no stealing."""
+    queues: WorkQueues[str] = WorkQueues(2)
+    [gold_b] = _golds_of_worker(queues, 1, 1)
+    taken: list = []
+    owner = threading.Thread(target=lambda: taken.append(queues.get(1, block=True)), daemon=True)
+    owner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not queues._idle[1]:  # the owner is blocked in get, waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        queues.put([(gold_b, "b1")])
+        assert queues.get(0, block=False) is None  # not stolen, whether or not the owner has woken yet
+    finally:
+        queues.close()  # releases the owner if it still waits
+        owner.join(timeout=10)
+    assert taken == ["b1"]
+
+
+def test_closed_queues_still_hand_out_what_was_queued():
+    queues: WorkQueues[str] = WorkQueues(3)
+    queues.put([("7", "x")])
+    queues.close()
+    assert [queues.get(0, block=True), queues.get(0, block=True)] == ["x", CLOSED]
+
+
+ITEMS = [  # (response, gold): right, wrong, unparseable answers, and gold answers math-verify cannot read
+    ("so \\boxed{\\frac{2}{4}}", "0.5"),
+    ("\\boxed{0.5}", "0.5"),
+    ("\\boxed{3}", "0.5"),
+    ("\\boxed{(1, 2)}", "(1,2)"),
+    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt{2}"),
+    ("\\boxed{}", "4"),
+    ("\\boxed{3}", "???"),
+    ("Answer: 12", "12"),
+]
+
+
+def test_checks_through_a_parse_cache_equal_fresh_checks_and_hit_it():
+    options = CheckOptions()
+    cache = ParseCache(16)
+    fresh = [check_answer(r, g, options) for r, g in ITEMS]
+    assert {f.verdict for f in fresh} >= {Verdict.CORRECT, Verdict.WRONG, Verdict.UNPARSEABLE, Verdict.GOLD_UNPARSEABLE}
+    for _ in range(2):  # the second round answers every parse from the cache
+        cached = [check_answer(r, g, options, cache) for r, g in ITEMS]
+        assert [(c.verdict, c.extracted_answer) for c in cached] == [(f.verdict, f.extracted_answer) for f in fresh]
+    assert cache.gold.hits >= len(ITEMS) and cache.answers.hits >= len(ITEMS) - 2
+
+
+def test_a_key_holds_what_a_verdict_depends_on():
+    options = CheckOptions(max_answer_chars=8)
+    assert prepare_check("work \\boxed{ 1/2 }", "  0.5\n", options) == CheckKey("1/2", "0.5")
+    assert prepare_check("\\boxed{123456789}", "1", options).verdict == Verdict.UNPARSEABLE
+    assert prepare_check("\\boxed{1}", " ", options).verdict == Verdict.GOLD_UNPARSEABLE
+
+
+@pytest.mark.parametrize("offset", [1_001, 2_003])
+def test_a_gold_parse_cut_by_the_cpu_limit_is_timeout_and_not_cached(offset):
+    """~0.07 s of CPU to parse: under a 5 ms limit it is TIMEOUT, and the cache keeps no empty parse of it."""
+    gold = "+".join(f"\\frac{{{i}}}{{{i + offset}}}" for i in range(1, 60))  # new to math-verify's own LRU
+    cache = ParseCache(8)
+    tight = CheckOptions(max_answer_chars=10_000, parse_timeout_s=0.005)
+    assert check_key(CheckKey("1", gold), tight, cache).verdict == Verdict.TIMEOUT
+    assert len(cache.gold) == 0
+    roomy = CheckOptions(max_answer_chars=10_000, parse_timeout_s=60)
+    assert check_key(CheckKey(gold, gold), roomy, cache).verdict == Verdict.CORRECT
