@@ -107,6 +107,7 @@ def generation_side_by_side(args, client, conn) -> dict:
 # A ~500M-parameter Qwen2 (fp32: ~2 GB a payload) built by this benchmark: pushes at a size where the payload,
 # not per-call overhead, sets the time. Only the push section uses it (its worker starts with enforce_eager).
 PUSH_MODELS = ("tiny", "100m", "500m")
+TRANSPORTS = ("stream", "shared_file")
 
 
 def push_model_dir(name: str) -> Path:
@@ -287,7 +288,7 @@ def report_pushes(results: dict) -> None:
             ),
             f"{p['stream_ratio']:.2f}",
             f"{p['shared_file_ratio']:.2f}",
-            "; ".join(f"{p[k + '_worker_receive']:.3f} / {p[k + '_worker_load']:.3f}" for k in ("stream", "shared_file")),
+            "; ".join(f"{p[f'{k}_worker_receive']:.3f} / {p[f'{k}_worker_load']:.3f}" for k in TRANSPORTS),
         )
     console.print(pushes)
     for name, p in results.items():
