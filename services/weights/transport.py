@@ -34,7 +34,7 @@ from rlep.services.weights.config import (
     WeightSyncConfig,
 )
 from rlep.services.weights.nccl import BroadcastGroup, manifest_bytes, manifest_digest, rank_offsets
-from rlep.services.weights.payload import TensorInfo, write_payload
+from rlep.services.weights.payload import DIGEST_ALGORITHMS, PAYLOAD_DIGEST, TensorInfo, write_payload
 from rlep.services.weights.staging import PUSH_PREFIX, default_staging_dir, staged_file
 
 # Streamed payload slices: far below gRPC's message limit, large enough that per-message cost is negligible.
@@ -79,9 +79,13 @@ class PayloadFileTransport(WeightTransport):
     def prepare(self, weights: StateDictSource, version: int, addresses: Sequence[str]) -> Iterator[WeightPush]:
         # Locked while it exists, so a worker starting on this host removes it if this process dies first.
         with staged_file(default_staging_dir(), PUSH_PREFIX) as (_, path):
-            digest = write_payload(read_state_dict(weights), path)
+            digest = write_payload(read_state_dict(weights), path, PAYLOAD_DIGEST)
             header = rollout_pb2.WeightHeader(
-                version=version, sha256=digest, total_bytes=path.stat().st_size, format=rollout_pb2.SAFETENSORS
+                version=version,
+                digest_algorithm=DIGEST_ALGORITHMS[PAYLOAD_DIGEST],
+                digest=digest,
+                total_bytes=path.stat().st_size,
+                format=rollout_pb2.SAFETENSORS,
             )
             yield WeightPush([self.messages(header, path) for _ in addresses])
 

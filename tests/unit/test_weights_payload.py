@@ -8,8 +8,15 @@ import struct
 import pytest
 import torch
 
-from rlep.common.files import sha256_file
-from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header, write_payload
+from rlep.common.files import file_digest, sha256_file
+from rlep.services.weights.payload import (
+    PAYLOAD_DIGEST,
+    TensorInfo,
+    WeightError,
+    WeightSpec,
+    read_header,
+    write_payload,
+)
 
 SPEC = WeightSpec(
     {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))},
@@ -19,8 +26,10 @@ SPEC = WeightSpec(
 
 def test_payload_header_round_trip(tmp_path):
     path = tmp_path / "w.safetensors"
-    digest = write_payload({"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}, path)
-    assert digest == sha256_file(path) and len(digest) == 64
+    state = {"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}
+    assert write_payload(state, path, "sha256") == sha256_file(path)
+    digest = write_payload(state, path)  # the default: what a push's header carries
+    assert PAYLOAD_DIGEST == "xxh3_128" and digest == file_digest(path, "xxh3_128") and len(digest) == 32
     header = read_header(path)
     assert header == {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))}
     SPEC.check(header)  # fits: no exception
