@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
+from collections.abc import Callable
 from pathlib import Path
 
-HASH_BLOCK_BYTES = 8 * 1024 * 1024  # large reads: hashing runs at memory speed, not syscall speed
+# Hashed in slices of a memory map: no read copies, and a slice stays in cache while it is hashed.
+HASH_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+def _xxh3_128():
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+# Digest algorithms by name -> a new hashlib-style hasher (update, hexdigest). Measured on one core of a
+# 2-core box over 416 MB in memory: sha256 (SHA-NI) 1.46 GB/s, blake2b 0.91, blake3 4.4, xxh3_128 12 GB/s.
+HASHERS: dict[str, Callable] = {"sha256": hashlib.sha256, "xxh3_128": _xxh3_128}
 
 
 def read_token_file(path: Path | None) -> str | None:
@@ -31,10 +45,22 @@ def load_safetensors(paths: list[Path]) -> dict:
     return state
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in blocks (weights payloads and checkpoints are GBs)."""
-    digest = hashlib.sha256()
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes with one of `HASHERS` (weights payloads and checkpoints are GBs)."""
+    digest = HASHERS[algorithm]()
     with Path(path).open("rb") as f:
-        while block := f.read(HASH_BLOCK_BYTES):
-            digest.update(block)
+        if Path(path).stat().st_size == 0:  # mmap refuses an empty file
+            return digest.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for start in range(0, len(view), HASH_BLOCK_BYTES):
+                    digest.update(view[start : start + HASH_BLOCK_BYTES])
+            finally:
+                view.release()  # the map cannot close while a view of it is alive
     return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    return file_digest(path, "sha256")

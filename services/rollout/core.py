@@ -14,7 +14,6 @@ turns them into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import threading
@@ -23,18 +22,26 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from rlep.common.files import sha256_file
+from rlep.common.files import file_digest
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.config import RolloutConfig
 from rlep.services.rollout.types import MAX_TEMPERATURE, Sampling, greedy_problem
 from rlep.services.weights.broadcast import DEFAULT_TIMEOUT_S, BroadcastGroup, manifest_bytes, manifest_digest
-from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header
+from rlep.services.weights.payload import (
+    DIGEST_ALGORITHMS,
+    TensorInfo,
+    WeightError,
+    WeightSpec,
+    new_hasher,
+    read_header,
+)
 from rlep.services.weights.staging import WORKER_PREFIX, staged_file
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 CHAT_ROLES = ("system", "user", "assistant")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+DIGEST_NAMES = {enum: name for name, enum in DIGEST_ALGORITHMS.items()}
 # A payload is the tensors plus a JSON header; the header of a big model stays well under this.
 HEADER_SLACK_BYTES = 16 * 1024 * 1024
 # A broadcast's communicator (unspecified: NCCL, what senders meant before the field existed).
@@ -132,10 +139,34 @@ class PromptEncoder:
 
 
 # -- UpdateWeights -----------------------------------------------------------------------------
+def digest_problem(header: rollout_pb2.WeightHeader) -> str | None:
+    """Why a header's digest fields are refused, or None."""
+    if header.digest_algorithm == rollout_pb2.DIGEST_ALGORITHM_UNSPECIFIED:
+        if not SHA256_HEX.match(header.sha256):  # an older client's header: sha256 only
+            return "header.sha256 must be 64 lowercase hex digits (or set digest_algorithm and digest)"
+        return None
+    if header.digest_algorithm not in DIGEST_NAMES:
+        known = ", ".join(rollout_pb2.DigestAlgorithm.Name(e) for e in DIGEST_NAMES)
+        return f"unsupported header.digest_algorithm {header.digest_algorithm} (this worker knows {known})"
+    digits = new_hasher(DIGEST_NAMES[header.digest_algorithm]).digest_size * 2
+    if not re.fullmatch(f"[0-9a-f]{{{digits}}}", header.digest):
+        name = rollout_pb2.DigestAlgorithm.Name(header.digest_algorithm)
+        return f"header.digest must be {digits} lowercase hex digits for {name}"
+    return None
+
+
+def payload_digest(header: rollout_pb2.WeightHeader) -> tuple[str, str]:
+    """The algorithm and hex digest a (checked) header promises: `digest`, or an older client's `sha256`."""
+    if header.digest_algorithm == rollout_pb2.DIGEST_ALGORITHM_UNSPECIFIED:
+        return "sha256", header.sha256
+    return DIGEST_NAMES[header.digest_algorithm], header.digest
+
+
 class WeightIntake:
     """Checks a pushed payload against the served model before the engine sees it.
 
-    A streamed payload is staged in a locked file (services/weights/staging.py) and hashed on arrival;
+    A streamed payload is staged in a locked file (services/weights/staging.py) and hashed on arrival
+    (the header's `digest_algorithm`; an older client's `sha256` is still checked);
     a shared file must lie under one of `shared_dirs`; a broadcast push is checked by its manifest.
     """
 
@@ -148,8 +179,8 @@ class WeightIntake:
         """Why a push's header is refused, or None."""
         if header.format not in (rollout_pb2.WEIGHT_FORMAT_UNSPECIFIED, rollout_pb2.SAFETENSORS):
             return f"unsupported weight format {header.format}"
-        if not SHA256_HEX.match(header.sha256):
-            return "header.sha256 must be 64 lowercase hex digits"
+        if problem := digest_problem(header):
+            return problem
         if not 0 < header.total_bytes <= self._max_payload:
             return f"header.total_bytes {header.total_bytes} is not a plausible size for this model"
         return None
@@ -157,35 +188,37 @@ class WeightIntake:
     def receive(
         self, chunks: Iterator[rollout_pb2.WeightChunk], header: rollout_pb2.WeightHeader, staging: ExitStack
     ) -> Path:
-        """The checked payload's path: its sha256 and tensors match `header` and the model. A streamed
+        """The checked payload's path: its digest and tensors match `header` and the model. A streamed
         payload's file lives until `staging` closes; a shared file stays its sender's."""
+        algorithm, expected = payload_digest(header)
         first = next(chunks, None)
         if first is not None and first.WhichOneof("kind") == "shared_file":
             if next(chunks, None) is not None:
                 raise WeightError("nothing may follow a shared_file chunk")
             path = self._shared_file(first.shared_file, header.total_bytes)
-            digest = sha256_file(path)
+            digest = file_digest(path, algorithm)
         else:
-            path, digest = self._stream(first, chunks, header.total_bytes, staging)
-        if digest != header.sha256:
-            raise WeightError("sha256 of the payload does not match the header")
+            path, digest = self._stream(first, chunks, header.total_bytes, algorithm, staging)
+        if digest != expected:
+            raise WeightError(f"{algorithm} of the payload does not match the header: corrupted or changed on its way")
         self._spec.check(read_header(path))
         return path
 
-    def _stream(self, first, chunks, total_bytes: int, staging: ExitStack) -> tuple[Path, str]:
+    def _stream(self, first, chunks, total_bytes: int, algorithm: str, staging: ExitStack) -> tuple[Path, str]:
         fd, staged = staging.enter_context(staged_file(self._staging_dir, WORKER_PREFIX))
         written = 0
-        digest = hashlib.sha256()  # hashed on arrival: no second pass over the file
+        digest = new_hasher(algorithm)  # hashed on arrival: no second pass over the file
         with open(fd, "wb", closefd=False) as out:  # the descriptor holds the lock: it stays open
             chunk = first
             while chunk is not None:
                 if chunk.WhichOneof("kind") != "data":
                     raise WeightError("after the header, send only data chunks (or one shared_file)")
-                written += len(chunk.data)
+                data = chunk.data  # each read of a bytes field copies it
+                written += len(data)
                 if written > total_bytes:
                     raise WeightError(f"more bytes than header.total_bytes ({total_bytes})")
-                out.write(chunk.data)
-                digest.update(chunk.data)
+                out.write(data)
+                digest.update(data)
                 chunk = next(chunks, None)
         if written != total_bytes:
             raise WeightError(f"received {written} bytes, header.total_bytes says {total_bytes}")

@@ -1,4 +1,4 @@
-"""Weight payloads: safetensors files checked by name, shape, dtype and sha256 before any engine sees them.
+"""Weight payloads: safetensors files checked by name, shape, dtype and digest before any engine sees them.
 
 A payload is one safetensors file holding a full state dict under the checkpoint's (HF) names.
 Only the JSON header is read to validate it, so a bad push is refused before a tensor is loaded,
@@ -10,14 +10,30 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlep.common.files import sha256_file
+from rlep.common.files import HASH_BLOCK_BYTES, HASHERS
+from rlep.rollout.v1 import rollout_pb2
 
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+
+# The digest a push carries (rlep.common.files.HASHERS). It catches a payload corrupted, truncated or swapped on
+# its way, not a forger: whoever can write the payload also writes the header beside it (the same authenticated
+# call, or a 0600 file of the sender's), so a cryptographic hash would buy nothing. Each push hashes the payload
+# twice (sender, worker); at 104M fp32 parameters sha256 took ~0.28 s a pass, xxh3_128 ~0.05 s (blake3 ~0.13 s).
+PAYLOAD_DIGEST = "xxh3_128"
+# The header's spelling of each algorithm (WeightHeader.digest_algorithm).
+DIGEST_ALGORITHMS = {"sha256": rollout_pb2.SHA256, "xxh3_128": rollout_pb2.XXH3_128}
+assert DIGEST_ALGORITHMS.keys() <= HASHERS.keys()
+
+
+def new_hasher(algorithm: str):
+    """A hashlib-style hasher (update, hexdigest) for one of `DIGEST_ALGORITHMS`."""
+    return HASHERS[algorithm]()
 
 
 class WeightError(ValueError):
@@ -123,13 +139,81 @@ def to_payload(state_dict: dict[str, torch.Tensor]) -> bytes:
     return save(checkpoint_state_dict(state_dict))
 
 
-def write_payload(state_dict: dict[str, torch.Tensor], path: Path) -> str:
-    """Writes a state dict as a safetensors file; returns its sha256.
+# torch dtype -> safetensors spelling, for the payloads written here.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
-    Measured for 104M fp32 parameters: `save_file` + hashing the file takes ~0.5 s, while
-    `safetensors.torch.save` to bytes alone takes ~0.6 s, so pushes of either transport start from a file.
+
+@dataclass(frozen=True)
+class Payload:
+    """A state dict laid out as a safetensors file, without copying it: the file's first bytes (length and
+    JSON header), then each tensor's bytes in order. Written to a file or streamed from memory as it is."""
+
+    head: bytes
+    buffers: list[memoryview]  # one flat byte view per tensor, in data_offsets order
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + sum(b.nbytes for b in self.buffers)
+
+    def blocks(self, block_bytes: int) -> Iterator[memoryview]:
+        """The payload's bytes in order, in non-empty slices of at most `block_bytes` (never across two tensors)."""
+        for buffer in (memoryview(self.head), *self.buffers):
+            for start in range(0, buffer.nbytes, block_bytes):
+                yield buffer[start : start + block_bytes]
+
+    def digest(self, algorithm: str = PAYLOAD_DIGEST) -> str:
+        """The hex digest of the payload's bytes, as a file of them would hash."""
+        hasher = new_hasher(algorithm)
+        for block in self.blocks(HASH_BLOCK_BYTES):
+            hasher.update(block)
+        return hasher.hexdigest()
+
+
+def payload_of(state_dict: dict[str, torch.Tensor]) -> Payload:
+    """`state_dict` as a safetensors `Payload` over the tensors' own memory (see `checkpoint_state_dict`).
+
+    safetensors' `save_file` would first allocate and fill a file: in shared memory that page allocation
+    was most of its ~0.22 s at 104M fp32 parameters, which a streamed push need not pay on the sender.
     """
-    from safetensors.torch import save_file
+    tensors = checkpoint_state_dict(state_dict)
+    header, buffers, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise WeightError(f"{name}: dtype {tensor.dtype} has no safetensors spelling here")
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + buffer.nbytes],
+        }
+        buffers.append(buffer)
+        offset += buffer.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header so the data starts 8-byte aligned
+    return Payload(struct.pack("<Q", len(text)) + text, buffers)
 
-    save_file(checkpoint_state_dict(state_dict), str(path))
-    return sha256_file(path)
+
+def write_payload(state_dict: dict[str, torch.Tensor], path: Path, algorithm: str = PAYLOAD_DIGEST) -> str:
+    """Writes a state dict as a safetensors file; returns its hex digest with `algorithm`.
+
+    Hashed while written, each block while it is still in cache: one pass over the tensors, not a write
+    then a read of the file (at 104M fp32 parameters: ~0.23 s for both, against ~0.22 s + 0.05 s).
+    """
+    payload = payload_of(state_dict)
+    hasher = new_hasher(algorithm)
+    with Path(path).open("wb") as f:
+        for block in payload.blocks(HASH_BLOCK_BYTES):
+            f.write(block)
+            hasher.update(block)
+    return hasher.hexdigest()

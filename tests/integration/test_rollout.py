@@ -11,6 +11,7 @@ import urllib.error
 import grpc
 import pytest
 import torch
+import xxhash
 
 from rlep.common.grpc_utils import make_channel
 from rlep.common.types import FinishReason
@@ -18,6 +19,7 @@ from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.types import Sampling
 from rlep.services.weights.broadcast import BroadcastGroup
 from rlep.services.weights.payload import to_payload
+from rlep.services.weights.staging import PUSH_PREFIX, default_staging_dir, staged_file
 from rlep.services.weights.transport import (
     SharedFileTransport,
     StreamTransport,
@@ -302,6 +304,33 @@ def test_bad_weight_pushes_are_refused_and_the_old_version_keeps_serving(stub, r
     assert stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).policy_version == version
     reply = _generate(stub, [TEXT])
     assert reply.policy_version == version and reply.completions[0].samples[0].token_ids
+
+
+def test_a_corrupted_payload_is_refused_and_an_older_clients_sha256_push_is_taken(stub, rollout, hf_model):
+    """One flipped byte in the tensor data (the header still parses and fits) is caught on both ways in."""
+    version = rollout.engine.version
+    payload = to_payload(perturbed_state_dict(hf_model, 21))
+    header = rollout_pb2.WeightHeader(
+        version=version + 1,
+        digest_algorithm=rollout_pb2.XXH3_128,
+        digest=xxhash.xxh3_128(payload).hexdigest(),
+        total_bytes=len(payload),
+    )
+    corrupted = bytearray(payload)
+    corrupted[-5] ^= 0x01
+    refused = "xxh3_128 of the payload does not match the header: corrupted or changed on its way"
+    err = _abort_code(lambda: _push(stub, header, bytes(corrupted)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details() == refused
+    with staged_file(default_staging_dir(), PUSH_PREFIX) as (_, path):
+        path.write_bytes(corrupted)
+        err = _abort_code(lambda: _push(stub, header, shared_file=str(path)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details() == refused
+    assert stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).policy_version == version
+
+    # A client from before `digest` sends only sha256: still checked, and taken.
+    legacy = _header(version + 1, payload)
+    assert not legacy.digest and legacy.digest_algorithm == rollout_pb2.DIGEST_ALGORITHM_UNSPECIFIED
+    assert _push(stub, legacy, payload).version == version + 1
 
 
 def test_rpcs_need_the_token(rollout):

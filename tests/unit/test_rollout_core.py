@@ -10,6 +10,7 @@ from contextlib import ExitStack
 
 import pytest
 import torch
+import xxhash
 
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.core import PromptEncoder, WeightIntake
@@ -120,9 +121,15 @@ def test_shared_files_must_sit_in_a_shared_dir(intake, tmp_path):
 
 def test_implausible_headers_are_named(intake):
     good = header_for(to_payload(STATE))
-    assert intake.header_problem(rollout_pb2.WeightHeader(sha256="A" * 64, total_bytes=10)) == (
+    assert intake.header_problem(rollout_pb2.WeightHeader(sha256="A" * 64, total_bytes=10)).startswith(
         "header.sha256 must be 64 lowercase hex digits"
     )
+    unknown = rollout_pb2.WeightHeader(digest_algorithm=99, digest="0" * 32, total_bytes=10)
+    assert "unsupported header.digest_algorithm 99 (this worker knows SHA256, XXH3_128)" in intake.header_problem(
+        unknown
+    )
+    short = rollout_pb2.WeightHeader(digest_algorithm=rollout_pb2.XXH3_128, digest="0" * 64, total_bytes=10)
+    assert intake.header_problem(short) == "header.digest must be 32 lowercase hex digits for XXH3_128"
     huge = rollout_pb2.WeightHeader(sha256=good.sha256, total_bytes=1 << 40)
     assert "is not a plausible size for this model" in intake.header_problem(huge)
 
@@ -154,3 +161,37 @@ def test_a_broadcast_manifest_must_match_its_header_and_the_model(intake):
     header.sha256 = "0" * 64
     with pytest.raises(WeightError, match="sha256 of the manifest"):
         intake.broadcast_entries(header, broadcast, iter([]))
+
+
+def xxh3_header_for(payload: bytes) -> rollout_pb2.WeightHeader:
+    digest = xxhash.xxh3_128(payload).hexdigest()
+    return rollout_pb2.WeightHeader(
+        version=1, digest_algorithm=rollout_pb2.XXH3_128, digest=digest, total_bytes=len(payload)
+    )
+
+
+@pytest.mark.parametrize(("make_header", "algorithm"), [(header_for, "sha256"), (xxh3_header_for, "xxh3_128")])
+@pytest.mark.parametrize("kind", ["stream", "shared_file"])
+def test_a_payload_with_one_flipped_byte_is_refused(intake, tmp_path, make_header, algorithm, kind):
+    """Both a current client's digest and an older client's sha256 are checked, on both ways in."""
+    payload = to_payload(STATE)
+    header = make_header(payload)
+    assert intake.header_problem(header) is None
+    corrupted = bytearray(payload)
+    corrupted[len(payload) - 5] ^= 0x01  # inside the last tensor's data: the header still parses and fits
+    for body, fine in ((payload, True), (bytes(corrupted), False)):
+        if kind == "shared_file":
+            path = tmp_path / "shared" / "w.safetensors"
+            path.write_bytes(body)
+            chunks = iter([rollout_pb2.WeightChunk(shared_file=str(path))])
+        else:
+            chunks = data_chunks(body)
+        with ExitStack() as staging:
+            if fine:
+                assert intake.receive(chunks, header, staging).read_bytes() == payload
+                continue
+            with pytest.raises(WeightError) as info:
+                intake.receive(chunks, header, staging)
+        assert str(info.value) == (
+            f"{algorithm} of the payload does not match the header: corrupted or changed on its way"
+        )

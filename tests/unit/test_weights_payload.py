@@ -8,8 +8,17 @@ import struct
 import pytest
 import torch
 
-from rlep.common.files import sha256_file
-from rlep.services.weights.payload import TensorInfo, WeightError, WeightSpec, read_header, write_payload
+from rlep.common.files import file_digest, sha256_file
+from rlep.services.weights.payload import (
+    PAYLOAD_DIGEST,
+    SAFETENSORS_DTYPES,
+    TensorInfo,
+    WeightError,
+    WeightSpec,
+    payload_of,
+    read_header,
+    write_payload,
+)
 
 SPEC = WeightSpec(
     {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))},
@@ -19,8 +28,10 @@ SPEC = WeightSpec(
 
 def test_payload_header_round_trip(tmp_path):
     path = tmp_path / "w.safetensors"
-    digest = write_payload({"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}, path)
-    assert digest == sha256_file(path) and len(digest) == 64
+    state = {"embed.weight": torch.ones(8, 4), "norm.weight": torch.zeros(4)}
+    assert write_payload(state, path, "sha256") == sha256_file(path)
+    digest = write_payload(state, path)  # the default: what a push's header carries
+    assert PAYLOAD_DIGEST == "xxh3_128" and digest == file_digest(path, "xxh3_128") and len(digest) == 32
     header = read_header(path)
     assert header == {"embed.weight": TensorInfo("F32", (8, 4)), "norm.weight": TensorInfo("F32", (4,))}
     SPEC.check(header)  # fits: no exception
@@ -68,3 +79,32 @@ def test_spec_from_a_checkpoint_directory(tmp_path):
     spec = WeightSpec.from_checkpoint(tmp_path)
     assert spec.tensors == {"embed.weight": TensorInfo("F32", (8, 4))}
     assert spec.ignorable == {"lm_head.weight"}
+
+
+STATES = {
+    "dtypes": {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False]),
+    },
+    "odd shapes": {"scalar": torch.tensor(2.5), "empty": torch.empty(0, 4), "transposed": torch.randn(4, 6).t()},
+    "shared storage": {"embed": (w := torch.randn(5, 3)), "head": w},  # a tied output layer
+}
+
+
+@pytest.mark.parametrize("name", STATES)
+def test_payloads_written_from_tensor_memory_are_safetensors_files(tmp_path, name):
+    """Written and streamed by our own writer: safetensors must read back every tensor exactly."""
+    from safetensors.torch import load_file
+
+    state, path = STATES[name], tmp_path / "w.safetensors"
+    digest = write_payload(state, path)
+    assert digest == file_digest(path, PAYLOAD_DIGEST) == payload_of(state).digest()
+    assert path.read_bytes() == b"".join(bytes(block) for block in payload_of(state).blocks(3))
+    loaded = load_file(str(path))
+    assert loaded.keys() == state.keys()
+    for key, tensor in state.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    assert read_header(path) == {k: TensorInfo(SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for k, t in state.items()}

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from pydantic import TypeAdapter, ValidationError
+from safetensors.torch import load
 
 from rlep.common.config import CONFIG_DIR, load_config
+from rlep.common.files import file_digest
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.learner.config import TrainConfig
+from rlep.services.weights import transport as transport_module
 from rlep.services.weights.broadcast import BroadcastGroup, manifest, manifest_digest
 from rlep.services.weights.config import NcclSyncConfig, WeightSyncConfig
 from rlep.services.weights.payload import read_header
@@ -96,7 +99,22 @@ def test_a_stream_push_carries_the_payload_that_its_header_describes():
     for header, *chunks in streams:
         payload = b"".join(c.data for c in chunks)
         assert header.header.version == 7 and header.header.total_bytes == len(payload)
-        assert header.header.sha256 == hashlib.sha256(payload).hexdigest()
+        assert header.header.digest_algorithm == rollout_pb2.XXH3_128 and not header.header.sha256
+        assert header.header.digest == xxhash.xxh3_128(payload).hexdigest()
+        loaded = load(payload)  # streamed from the tensors' memory, it is still a safetensors file
+        assert loaded.keys() == STATE.keys() and all(torch.equal(loaded[k], STATE[k]) for k in STATE)
+
+
+def to_payload_data(state) -> bytes:
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in state.values())
+
+
+def test_streamed_chunks_stay_under_the_chunk_size(monkeypatch):
+    monkeypatch.setattr(transport_module, "CHUNK_BYTES", 16)
+    with StreamTransport().prepare(STATE, 7, ["a:1"]) as push:
+        [[_, *chunks]] = [list(messages) for messages in push.requests]
+    assert all(0 < len(c.data) <= 16 for c in chunks)
+    assert b"".join(c.data for c in chunks) == transport_module.payload_of(STATE).head + to_payload_data(STATE)
 
 
 def test_a_shared_file_push_names_a_file_that_lives_as_long_as_the_push():
@@ -104,6 +122,8 @@ def test_a_shared_file_push_names_a_file_that_lives_as_long_as_the_push():
         [[header, named]] = [list(messages) for messages in push.requests]
         path = named.shared_file
         assert header.header.version == 3 and set(read_header(Path(path))) == set(STATE)
+        assert header.header.digest == file_digest(Path(path), "xxh3_128")
+        assert header.header.total_bytes == os.path.getsize(path)
     assert not os.path.exists(path)
 
 

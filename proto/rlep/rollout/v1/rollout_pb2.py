@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 from rlep.common.v1 import trajectory_pb2 as rlep_dot_common_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlep/rollout/v1/rollout.proto\x12\x0frlep.rollout.v1\x1a\x1frlep/common/v1/trajectory.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\nChatPrompt\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.rlep.rollout.v1.ChatMessage\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"}\n\x06Prompt\x12+\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x1b.rlep.rollout.v1.ChatPromptH\x00\x12.\n\x06tokens\x18\x02 \x01(\x0b\x32\x1c.rlep.rollout.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0fSamplingOptions\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"o\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.rlep.rollout.v1.Prompt\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .rlep.rollout.v1.SamplingOptions\"\x88\x01\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.rlep.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\"e\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.rlep.rollout.v1.Sample\"\\\n\x10GenerateResponse\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.rlep.rollout.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"s\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12-\n\x06\x66ormat\x18\x04 \x01(\x0e\x32\x1d.rlep.rollout.v1.WeightFormat\"\xa7\x01\n\x0bWeightChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.rlep.rollout.v1.WeightHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x15\n\x0bshared_file\x18\x03 \x01(\tH\x00\x12\x38\n\x0enccl_broadcast\x18\x04 \x01(\x0b\x32\x1e.rlep.rollout.v1.NcclBroadcastH\x00\x42\x06\n\x04kind\"\xda\x01\n\rNcclBroadcast\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.rlep.rollout.v1.TensorSpec\x12\x32\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32!.rlep.rollout.v1.BroadcastBackend\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"W\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x12\n\x10GetStatusRequest\"\xb8\x01\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12\x0b\n\x03pid\x18\x08 \x01(\x05*>\n\x0cWeightFormat\x12\x1d\n\x19WEIGHT_FORMAT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSAFETENSORS\x10\x01*I\n\x10\x42roadcastBackend\x12!\n\x1d\x42ROADCAST_BACKEND_UNSPECIFIED\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04GLOO\x10\x02\x32\x83\x02\n\x07Rollout\x12O\n\x08Generate\x12 .rlep.rollout.v1.GenerateRequest\x1a!.rlep.rollout.v1.GenerateResponse\x12W\n\rUpdateWeights\x12\x1c.rlep.rollout.v1.WeightChunk\x1a&.rlep.rollout.v1.UpdateWeightsResponse(\x01\x12N\n\tGetStatus\x12!.rlep.rollout.v1.GetStatusRequest\x1a\x1e.rlep.rollout.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlep/rollout/v1/rollout.proto\x12\x0frlep.rollout.v1\x1a\x1frlep/common/v1/trajectory.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\nChatPrompt\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.rlep.rollout.v1.ChatMessage\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"}\n\x06Prompt\x12+\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x1b.rlep.rollout.v1.ChatPromptH\x00\x12.\n\x06tokens\x18\x02 \x01(\x0b\x32\x1c.rlep.rollout.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0fSamplingOptions\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"o\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.rlep.rollout.v1.Prompt\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .rlep.rollout.v1.SamplingOptions\"\x88\x01\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.rlep.common.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\"e\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.rlep.rollout.v1.Sample\"\\\n\x10GenerateResponse\x12\x30\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1b.rlep.rollout.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xbf\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12-\n\x06\x66ormat\x18\x04 \x01(\x0e\x32\x1d.rlep.rollout.v1.WeightFormat\x12:\n\x10\x64igest_algorithm\x18\x05 \x01(\x0e\x32 .rlep.rollout.v1.DigestAlgorithm\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\"\xa7\x01\n\x0bWeightChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.rlep.rollout.v1.WeightHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x15\n\x0bshared_file\x18\x03 \x01(\tH\x00\x12\x38\n\x0enccl_broadcast\x18\x04 \x01(\x0b\x32\x1e.rlep.rollout.v1.NcclBroadcastH\x00\x42\x06\n\x04kind\"\xda\x01\n\rNcclBroadcast\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.rlep.rollout.v1.TensorSpec\x12\x32\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32!.rlep.rollout.v1.BroadcastBackend\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"W\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0freceive_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x12\n\x10GetStatusRequest\"\xb8\x01\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12\x0b\n\x03pid\x18\x08 \x01(\x05*>\n\x0cWeightFormat\x12\x1d\n\x19WEIGHT_FORMAT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSAFETENSORS\x10\x01*M\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12\n\n\x06SHA256\x10\x01\x12\x0c\n\x08XXH3_128\x10\x02*I\n\x10\x42roadcastBackend\x12!\n\x1d\x42ROADCAST_BACKEND_UNSPECIFIED\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04GLOO\x10\x02\x32\x83\x02\n\x07Rollout\x12O\n\x08Generate\x12 .rlep.rollout.v1.GenerateRequest\x1a!.rlep.rollout.v1.GenerateResponse\x12W\n\rUpdateWeights\x12\x1c.rlep.rollout.v1.WeightChunk\x1a&.rlep.rollout.v1.UpdateWeightsResponse(\x01\x12N\n\tGetStatus\x12!.rlep.rollout.v1.GetStatusRequest\x1a\x1e.rlep.rollout.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlep.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTFORMAT']._serialized_start=1807
-  _globals['_WEIGHTFORMAT']._serialized_end=1869
-  _globals['_BROADCASTBACKEND']._serialized_start=1871
-  _globals['_BROADCASTBACKEND']._serialized_end=1944
+  _globals['_WEIGHTFORMAT']._serialized_start=1884
+  _globals['_WEIGHTFORMAT']._serialized_end=1946
+  _globals['_DIGESTALGORITHM']._serialized_start=1948
+  _globals['_DIGESTALGORITHM']._serialized_end=2025
+  _globals['_BROADCASTBACKEND']._serialized_start=2027
+  _globals['_BROADCASTBACKEND']._serialized_end=2100
   _globals['_CHATMESSAGE']._serialized_start=83
   _globals['_CHATMESSAGE']._serialized_end=127
   _globals['_CHATPROMPT']._serialized_start=129
@@ -54,20 +56,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION']._serialized_end=849
   _globals['_GENERATERESPONSE']._serialized_start=851
   _globals['_GENERATERESPONSE']._serialized_end=943
-  _globals['_WEIGHTHEADER']._serialized_start=945
-  _globals['_WEIGHTHEADER']._serialized_end=1060
-  _globals['_WEIGHTCHUNK']._serialized_start=1063
-  _globals['_WEIGHTCHUNK']._serialized_end=1230
-  _globals['_NCCLBROADCAST']._serialized_start=1233
-  _globals['_NCCLBROADCAST']._serialized_end=1451
-  _globals['_TENSORSPEC']._serialized_start=1453
-  _globals['_TENSORSPEC']._serialized_end=1509
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1511
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1598
-  _globals['_GETSTATUSREQUEST']._serialized_start=1600
-  _globals['_GETSTATUSREQUEST']._serialized_end=1618
-  _globals['_ROLLOUTSTATUS']._serialized_start=1621
-  _globals['_ROLLOUTSTATUS']._serialized_end=1805
-  _globals['_ROLLOUT']._serialized_start=1947
-  _globals['_ROLLOUT']._serialized_end=2206
+  _globals['_WEIGHTHEADER']._serialized_start=946
+  _globals['_WEIGHTHEADER']._serialized_end=1137
+  _globals['_WEIGHTCHUNK']._serialized_start=1140
+  _globals['_WEIGHTCHUNK']._serialized_end=1307
+  _globals['_NCCLBROADCAST']._serialized_start=1310
+  _globals['_NCCLBROADCAST']._serialized_end=1528
+  _globals['_TENSORSPEC']._serialized_start=1530
+  _globals['_TENSORSPEC']._serialized_end=1586
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1588
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1675
+  _globals['_GETSTATUSREQUEST']._serialized_start=1677
+  _globals['_GETSTATUSREQUEST']._serialized_end=1695
+  _globals['_ROLLOUTSTATUS']._serialized_start=1698
+  _globals['_ROLLOUTSTATUS']._serialized_end=1882
+  _globals['_ROLLOUT']._serialized_start=2103
+  _globals['_ROLLOUT']._serialized_end=2362
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,12 @@ class WeightFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_FORMAT_UNSPECIFIED: _ClassVar[WeightFormat]
     SAFETENSORS: _ClassVar[WeightFormat]
 
+class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIGEST_ALGORITHM_UNSPECIFIED: _ClassVar[DigestAlgorithm]
+    SHA256: _ClassVar[DigestAlgorithm]
+    XXH3_128: _ClassVar[DigestAlgorithm]
+
 class BroadcastBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BROADCAST_BACKEND_UNSPECIFIED: _ClassVar[BroadcastBackend]
@@ -20,6 +26,9 @@ class BroadcastBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GLOO: _ClassVar[BroadcastBackend]
 WEIGHT_FORMAT_UNSPECIFIED: WeightFormat
 SAFETENSORS: WeightFormat
+DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
+SHA256: DigestAlgorithm
+XXH3_128: DigestAlgorithm
 BROADCAST_BACKEND_UNSPECIFIED: BroadcastBackend
 NCCL: BroadcastBackend
 GLOO: BroadcastBackend
@@ -113,16 +122,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "sha256", "total_bytes", "format")
+    __slots__ = ("version", "sha256", "total_bytes", "format", "digest_algorithm", "digest")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     sha256: str
     total_bytes: int
     format: WeightFormat
-    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., format: _Optional[_Union[WeightFormat, str]] = ...) -> None: ...
+    digest_algorithm: DigestAlgorithm
+    digest: str
+    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., format: _Optional[_Union[WeightFormat, str]] = ..., digest_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("header", "data", "shared_file", "nccl_broadcast")
