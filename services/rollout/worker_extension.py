@@ -4,7 +4,7 @@ vLLM calls these through `LLM.collective_rpc(name, args=...)`; arguments cross a
 so they are plain values (a file path, names and shapes), never tensors or pickled callables.
 
 - `load_safetensors_file`: the CPU / single-host path, exercised by CI. The file was checked by
-  name, shape, dtype and sha256 before it gets here (services/weights/payload.py).
+  name, shape, dtype and digest before it gets here (services/weights/payload.py).
 - `init_weight_broadcast` / `receive_weight_broadcast`: vLLM's documented RLHF pattern, a process
   group of our own between learner rank 0 and the workers, then one broadcast per tensor over NCCL
   (GPU workers; NOT exercised by CI) or gloo (any worker; CI runs it on the CPU build). Both load
