@@ -12,9 +12,12 @@
    min-max spread are printed, since a single raw figure swung 0.26-0.90 s between runs.
 
    The worker's own figures (receive + check, engine load) are printed beside them: where a push's time goes.
+3. Object store (with the push section's tiny and 100m workers): the bytes one weight push puts through Ray's
+   object store when the driver fetches the state dict and pushes (before) vs when the learner's rank 0 pushes
+   itself (now; goal: none), from Ray's own count of created objects (benchmarks/ray_bytes.py).
 
     python benchmarks/rollout.py [--prompts 64] [--n 8] [--max-tokens 64] [--repeats 3] [--eager]
-        [--sections generation,push] [--push-models tiny,100m,500m]
+        [--sections generation,push,object_store] [--push-models tiny,100m,500m]
 """
 
 from __future__ import annotations
@@ -180,6 +183,11 @@ def push_timings(args, client, model_dir: Path) -> dict:
     return result
 
 
+# Models whose pushes the object-store section measures (a learner on Ray holds each: the 500M one would need
+# ~8 GB for DeepSpeed's optimizer state beside the worker's copy).
+OBJECT_STORE_MODELS = ("tiny", "100m")
+
+
 def push_section(args, name: str) -> dict:
     """A rollout worker serving `name`, pushed to by both file transports and compared with raw save+load."""
     from rlep.services.rollout.client import RolloutClient
@@ -191,7 +199,13 @@ def push_section(args, name: str) -> dict:
         proc = start_worker(args, str(model_dir), port, eager=True)
         client = RolloutClient([f"127.0.0.1:{port}"], timeout_s=900)
         try:
-            return push_timings(args, client, model_dir)
+            timings = push_timings(args, client, model_dir)
+            if "object_store" in args.sections.split(",") and name in OBJECT_STORE_MODELS:
+                from benchmarks.ray_bytes import push_object_store_bytes
+
+                # Versions far above the timed pushes': a replica takes only newer versions.
+                timings["object_store"] = push_object_store_bytes(model_dir, f"127.0.0.1:{port}", first_version=10**6)
+            return timings
         finally:
             client.close()
             proc.terminate()
@@ -232,12 +246,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="skip torch.compile (faster start, slower decode)")
-    parser.add_argument("--sections", default="generation,push", help="comma-separated: generation, push")
+    parser.add_argument(
+        "--sections",
+        default="generation,push,object_store",
+        help="comma-separated: generation, push, object_store (measured with the push section's workers)",
+    )
     parser.add_argument("--push-models", default=",".join(PUSH_MODELS), help=f"comma-separated of {PUSH_MODELS}")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     sections = args.sections.split(",")
-    unknown = set(sections) - {"generation", "push"} | set(args.push_models.split(",")) - set(PUSH_MODELS)
+    known = {"generation", "push", "object_store"}
+    unknown = set(sections) - known | set(args.push_models.split(",")) - set(PUSH_MODELS)
     if unknown:
         parser.error(f"unknown sections or push models: {sorted(unknown)}")
 
@@ -248,6 +267,7 @@ def main() -> None:
     if "push" in sections:
         results["push"] = {name: push_section(args, name) for name in args.push_models.split(",")}
         report_pushes(results["push"])
+        report_object_store(results["push"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
@@ -299,6 +319,18 @@ def report_pushes(results: dict) -> None:
             f"{name} push ratio (slower transport)/raw = [bold]{worst:.2f}[/bold]"
             f" (goal <= 2 for both: {'met' if worst <= 2 else 'NOT met'})"
         )
+
+
+def report_object_store(results: dict) -> None:
+    measured = {name: p["object_store"] for name, p in results.items() if "object_store" in p}
+    if not measured:
+        return
+    table = Table(title="Ray object-store bytes per weight push (= per training step), median")
+    for column in ("model", "weights", "driver-side push (before)", "learner-side push (now)"):
+        table.add_column(column, justify="right")
+    for name, o in measured.items():
+        table.add_row(name, *(f"{o[k]:,}" for k in ("weight_bytes", "driver_side", "learner_side")))
+    console.print(table)
 
 
 if __name__ == "__main__":
