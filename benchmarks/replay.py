@@ -1,12 +1,17 @@
 """Replay sampling: one training step's Sample through the service vs the same reads with redis-py.
 
 Fills a pool with Q questions x S successes (~1 KB responses) through the service (measuring add
-throughput), then for each of --steps steps draws 512 random questions and samples M=2 each:
-(a) through the gRPC service (the Sample RPC, response parsed into protobuf messages), and (b)
-directly with redis-py pipelines doing the same reads (count per question, the chosen index's id,
-its payload, as raw bytes), interleaved step by step in one run. The typed client's further
-conversion into dataclasses is timed separately. Prints trajectories/s of each, their ratio (goal >= 0.8) and
-the service's p50/p99 step latency (goal p99 <= 20 ms on loopback).
+throughput), then for each of --steps steps draws 512 random questions and samples M=2 each,
+interleaved step by step in one run:
+(a) through the gRPC service as the typed client asks for it (`trajectories_as_bytes`: each
+trajectory arrives as its stored bytes; the reply is parsed, the trajectories are not),
+(b) the same RPC in the message form older clients ask for (the service parses and re-encodes
+every trajectory; the reply is parsed into messages), and
+(c) directly with redis-py pipelines doing the same reads (count per question, the chosen index's
+id, its payload, as raw bytes).
+The typed client's whole step (RPC + conversion into dataclasses) and the conversion alone are
+timed separately. Prints trajectories/s of (a) and (c), their ratio (goal >= 0.8) and the
+service's p50/p99 step latency (goal p99 <= 20 ms on loopback) for (a) and (b).
 
     python benchmarks/replay.py [--questions 17000] [--per-question 8] [--steps 200]
 """
@@ -80,7 +85,7 @@ def main() -> None:
     from rlep.common.config import ServerConfig
     from rlep.common.redis_server import start_local_redis
     from rlep.replay.v1 import replay_pb2
-    from rlep.services.replay.client import ReplayClient
+    from rlep.services.replay.client import ReplayClient, sampled_trajectories
     from rlep.services.replay.config import ReplayConfig
     from rlep.services.replay.main import start_replay
     from rlep.services.replay.store import pool_prefix
@@ -104,43 +109,58 @@ def main() -> None:
                         add_seconds += time.perf_counter() - started
                         progress.advance(task, len(chunk))
                 rng = random.Random(0)
-                service_s, raw_s, latencies, typed = 0.0, 0.0, [], []
+                service_s, raw_s, latencies, legacy, typed, convert = 0.0, 0.0, [], [], [], []
                 service_n = raw_n = 0
                 for step in range(args.steps + 5):
                     qids = [f"q{q}" for q in rng.sample(range(args.questions), STEP_QUESTIONS)]
                     request = replay_pb2.SampleRequest(pool="bench", question_ids=qids, m=args.m, seed=step)
-                    started = time.perf_counter()
-                    reply = client.stub.Sample(request, timeout=30)
-                    elapsed = time.perf_counter() - started
+                    # The first read of a step's keys is the slower one (cold caches): the two reply forms
+                    # take turns going first.
+                    for as_bytes in (True, False) if step % 2 else (False, True):
+                        request.trajectories_as_bytes = as_bytes
+                        started = time.perf_counter()
+                        answer = client.stub.Sample(request, timeout=30)
+                        if as_bytes:
+                            reply, elapsed = answer, time.perf_counter() - started
+                        else:
+                            legacy_elapsed = time.perf_counter() - started
                     started = time.perf_counter()
                     client.sample("bench", qids, args.m, seed=step)
-                    typed.append(time.perf_counter() - started)
+                    typed_elapsed = time.perf_counter() - started
+                    started = time.perf_counter()
+                    {s.question_id: sampled_trajectories(s) for s in reply.samples}
+                    convert_elapsed = time.perf_counter() - started
                     started = time.perf_counter()
                     raw_count = raw_sample(raw, pool_prefix("bench"), qids, args.m, seed=step)
                     raw_elapsed = time.perf_counter() - started
                     if step >= 5:  # warm-up steps are not counted
                         latencies.append(elapsed)
+                        legacy.append(legacy_elapsed)
+                        typed.append(typed_elapsed)
+                        convert.append(convert_elapsed)
                         service_s += elapsed
                         raw_s += raw_elapsed
-                        service_n += sum(len(s.trajectories) for s in reply.samples)
+                        service_n += sum(len(s.trajectory_bytes) for s in reply.samples)
                         raw_n += raw_count
         finally:
             running.stop()
             local.stop()
     service_rate, raw_rate = service_n / service_s, raw_n / raw_s
-    p50 = statistics.median(latencies) * 1000
-    p99 = statistics.quantiles(latencies, n=100)[98] * 1000
+    p50, p99 = percentile_ms(latencies, 50), percentile_ms(latencies, 99)
+    legacy_p50, legacy_p99 = percentile_ms(legacy, 50), percentile_ms(legacy, 99)
     table = Table(
         title=f"replay: {args.questions} questions x {args.per_question}, steps of {STEP_QUESTIONS} x M={args.m}"
     )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("add throughput (service)", f"{added / add_seconds:,.0f} trajectories/s")
-    table.add_row("sample throughput, service", f"{service_rate:,.0f} trajectories/s")
+    table.add_row("sample throughput, service (bytes replies)", f"{service_rate:,.0f} trajectories/s")
     table.add_row("sample throughput, raw redis-py", f"{raw_rate:,.0f} trajectories/s")
     table.add_row("ratio service / raw  [goal >= 0.8]", f"{service_rate / raw_rate:.3f}")
-    table.add_row("step latency p50 / p99  [goal p99 <= 20 ms]", f"{p50:.1f} / {p99:.1f} ms")
-    table.add_row("typed client step (RPC + dataclasses), p50", f"{statistics.median(typed) * 1000:.1f} ms")
+    table.add_row("step latency p50 / p99, bytes replies  [goal p99 <= 20 ms]", f"{p50:.1f} / {p99:.1f} ms")
+    table.add_row("step latency p50 / p99, message replies (older clients)", f"{legacy_p50:.1f} / {legacy_p99:.1f} ms")
+    table.add_row("typed client step (RPC + dataclasses), p50", f"{percentile_ms(typed, 50):.1f} ms")
+    table.add_row("typed client conversion alone (bytes -> dataclasses), p50", f"{percentile_ms(convert, 50):.1f} ms")
     console.print(table)
     print(
         json.dumps(
@@ -151,9 +171,18 @@ def main() -> None:
                 "ratio": service_rate / raw_rate,
                 "p50_ms": p50,
                 "p99_ms": p99,
+                "legacy_p50_ms": legacy_p50,
+                "legacy_p99_ms": legacy_p99,
+                "typed_p50_ms": percentile_ms(typed, 50),
+                "convert_p50_ms": percentile_ms(convert, 50),
             }
         )
     )
+
+
+def percentile_ms(seconds: list[float], q: int) -> float:
+    """The q-th percentile (1..99) in milliseconds; q=50 is the median."""
+    return statistics.quantiles(seconds, n=100)[q - 1] * 1000
 
 
 if __name__ == "__main__":

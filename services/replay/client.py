@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from google.protobuf.message import DecodeError
+
 from rlep.common.grpc_utils import call_with_retry, make_channel
 from rlep.common.types import Trajectory
+from rlep.common.v1 import trajectory_pb2
 from rlep.common.wire import trajectory_from_proto, trajectory_to_proto
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.core import Strategy
@@ -18,6 +21,19 @@ STRATEGY_TO_PROTO = {
     Strategy.PRIORITIZED: replay_pb2.PRIORITIZED,
     Strategy.DIVERSE: replay_pb2.DIVERSE,
 }
+
+
+def sampled_trajectories(sample: replay_pb2.QuestionSample) -> list[Trajectory]:
+    """A QuestionSample's trajectories, from `trajectory_bytes` or, from a server that predates it, `trajectories`.
+
+    Raises ValueError naming the question when an entry does not parse as a valid trajectory.
+    """
+    if not sample.trajectory_bytes:
+        return [trajectory_from_proto(t) for t in sample.trajectories]
+    try:
+        return [trajectory_from_proto(trajectory_pb2.Trajectory.FromString(b)) for b in sample.trajectory_bytes]
+    except (DecodeError, ValueError) as err:
+        raise ValueError(f"replay returned an invalid trajectory for question {sample.question_id!r}: {err}") from err
 
 
 class ReplayClient:
@@ -50,9 +66,10 @@ class ReplayClient:
             seed=seed,
             strategy=STRATEGY_TO_PROTO[strategy],
             min_policy_version=min_policy_version,
+            trajectories_as_bytes=True,
         )
         reply = call_with_retry(self.stub.Sample, request, self._timeout_s)
-        return {s.question_id: [trajectory_from_proto(t) for t in s.trajectories] for s in reply.samples}
+        return {s.question_id: sampled_trajectories(s) for s in reply.samples}
 
     def stats(self, pool: str) -> replay_pb2.PoolStats:
         return call_with_retry(self.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool), self._timeout_s)

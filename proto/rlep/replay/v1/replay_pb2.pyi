@@ -76,30 +76,34 @@ class AddTrajectoriesResponse(_message.Message):
     def __init__(self, added: _Optional[int] = ..., duplicate: _Optional[int] = ..., rejected: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("pool", "question_ids", "m", "strategy", "seed", "min_policy_version")
+    __slots__ = ("pool", "question_ids", "m", "strategy", "seed", "min_policy_version", "trajectories_as_bytes")
     POOL_FIELD_NUMBER: _ClassVar[int]
     QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
     M_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     question_ids: _containers.RepeatedScalarFieldContainer[str]
     m: int
     strategy: Strategy
     seed: int
     min_policy_version: int
-    def __init__(self, pool: _Optional[str] = ..., question_ids: _Optional[_Iterable[str]] = ..., m: _Optional[int] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., seed: _Optional[int] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
+    trajectories_as_bytes: bool
+    def __init__(self, pool: _Optional[str] = ..., question_ids: _Optional[_Iterable[str]] = ..., m: _Optional[int] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., seed: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., trajectories_as_bytes: _Optional[bool] = ...) -> None: ...
 
 class QuestionSample(_message.Message):
-    __slots__ = ("question_id", "trajectories", "available")
+    __slots__ = ("question_id", "trajectories", "available", "trajectory_bytes")
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     question_id: str
     trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
     available: int
-    def __init__(self, question_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., available: _Optional[int] = ...) -> None: ...
+    trajectory_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, question_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., available: _Optional[int] = ..., trajectory_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("samples", "short_questions")
