@@ -215,3 +215,21 @@ def eval_client(eval_service, auth_token_file):
 
     with EvalClient(eval_service.url, token=auth_token_file.read_text().strip()) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def hf_model(rollout):
+    """The `rollout` fixture's model in transformers (float32), the reference its logprobs are checked against."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(rollout.engine.model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def stub(rollout, auth_token_file):
+    """A raw gRPC stub of the `rollout` fixture (for requests the typed client would never send)."""
+    from rlep.common.grpc_utils import make_channel
+    from rlep.rollout.v1 import rollout_pb2_grpc
+
+    return rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip()))

@@ -34,18 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPT = [{"role": "user", "content": "12+30=?"}]
 
 
-@pytest.fixture(scope="module")
-def hf_model(rollout):
-    from transformers import Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM.from_pretrained(rollout.engine.model_path, dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def stub(rollout, auth_token_file):
-    return rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip()))
-
-
 def perturbed_state_dict(hf_model, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {

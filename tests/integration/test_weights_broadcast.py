@@ -15,9 +15,8 @@ import grpc
 import pytest
 import torch
 
-from rlep.common.grpc_utils import make_channel
 from rlep.common.ports import free_port
-from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.types import Sampling
 from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
 from rlep.services.weights.transport import BroadcastTransport, broadcast_messages
@@ -29,18 +28,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Generous for a loaded 2-core box; the failure tests check that a dead peer is reported well before it.
 TIMEOUT_S = 30.0
 GREEDY = Sampling(n=1, temperature=0.0, max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def hf_model(rollout):
-    from transformers import Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM.from_pretrained(rollout.engine.model_path, dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def stub(rollout, auth_token_file):
-    return rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip()))
 
 
 class StateDictSender:
