@@ -23,14 +23,21 @@ from tests.metrics_util import scrape, series_value
 pytestmark = pytest.mark.integration
 
 LIMIT_S = 1.5
-# Distinct items (sympy caches repeated ones): ~3-10 ms each on one worker, so 10 s or more in all.
-BIG = verifier_pb2.VerifyRequest(
-    items=[
-        verifier_pb2.VerifyItem(response=f"\\boxed{{\\frac{{{i}}}{{7}}+\\sqrt{{{i + 1}}}}}", ground_truth=f"{i}/7")
-        for i in range(4000)
-    ]
-)
+BIG_ITEMS = 4000
+_big_calls = itertools.count()
 _small_calls = itertools.count()
+
+
+def big_request() -> verifier_pb2.VerifyRequest:
+    """Distinct items never sent before (sympy caches repeated ones, and the verdict cache would answer an earlier
+    call's): ~3-10 ms each on one worker, so 10 s or more in all."""
+    first = BIG_ITEMS * next(_big_calls)
+    return verifier_pb2.VerifyRequest(
+        items=[
+            verifier_pb2.VerifyItem(response=f"\\boxed{{\\frac{{{i}}}{{7}}+\\sqrt{{{i + 1}}}}}", ground_truth=f"{i}/7")
+            for i in range(first, first + BIG_ITEMS)
+        ]
+    )
 
 
 def small_request() -> verifier_pb2.VerifyRequest:
@@ -94,13 +101,13 @@ def test_call_without_deadline_gets_the_server_limit_and_its_work_stops(limited_
     before = pool.counts()
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        stub.Verify(BIG)  # no deadline, several seconds of work
+        stub.Verify(big_request())  # no deadline, several seconds of work
     elapsed = time.monotonic() - started
     at_stop = pool.counts()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"limit of {LIMIT_S:g} s per call (request_timeout_s)" in err.value.details()
     assert LIMIT_S <= elapsed < LIMIT_S + 3.0
-    _assert_work_stopped(pool, stub, before, at_stop, len(BIG.items))
+    _assert_work_stopped(pool, stub, before, at_stop, BIG_ITEMS)
     dropped = series_value(scrape(limited_verifier.metrics_port), DROPPED) - dropped_before
     assert dropped == pool.counts()["skipped"] - before["skipped"] > 0
 
@@ -116,7 +123,7 @@ def test_work_of_an_abandoned_call_stops(limited_verifier, stub, ending):
     ended = {
         code: _requests(limited_verifier, code) for code in ("CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
     }
-    future = stub.Verify.future(BIG, timeout=60 if ending == "client cancels" else 0.5)
+    future = stub.Verify.future(big_request(), timeout=60 if ending == "client cancels" else 0.5)
     assert pool.wait_busy(0, timeout_s=30)  # the big call's items are being checked
     if ending == "client cancels":
         future.cancel()
@@ -128,4 +135,4 @@ def test_work_of_an_abandoned_call_stops(limited_verifier, stub, ending):
     codes = ["CANCELLED"] if ending == "client cancels" else ["CANCELLED", "DEADLINE_EXCEEDED"]
     assert _wait_for(lambda: sum(_requests(limited_verifier, c) - ended[c] for c in codes) == 1, timeout_s=10)
     assert _requests(limited_verifier, "RESOURCE_EXHAUSTED") == ended["RESOURCE_EXHAUSTED"]
-    _assert_work_stopped(pool, stub, before, pool.counts(), len(BIG.items))
+    _assert_work_stopped(pool, stub, before, pool.counts(), BIG_ITEMS)
