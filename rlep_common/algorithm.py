@@ -18,6 +18,7 @@ overlong reward) so that results can be compared with the reference recipe. Depa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -172,6 +173,7 @@ def policy_loss(
     clip_c: float = 10.0,
     agg: LossAgg = "token-mean",
     normalizer: float | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """DAPO's clipped policy-gradient loss with dual-clip (RLEP eq. 3/4, verl `compute_policy_loss`).
 
@@ -184,6 +186,8 @@ def policy_loss(
         clip_c: dual-clip bound; for negative advantages the loss is capped at `-A * clip_c`.
         agg: how per-token losses are reduced (see `aggregate_loss`).
         normalizer: denominator override for gradient accumulation (see `aggregate_loss`).
+        token_weights: `[B, T]` optional constant weights of each token's loss (no gradient), e.g.
+            `behavior_weights` for AReaL's decoupled objective; None = 1 everywhere.
 
     Returns:
         `(loss, metrics)`: a scalar loss to minimise and floats `clip_fraction` (tokens where the
@@ -210,6 +214,10 @@ def policy_loss(
     dual_bound = -adv * clip_c
     dual_loss = torch.minimum(dual_bound, ppo_loss)  # caps the loss of very large ratios when A < 0
     per_token = torch.where(adv < 0, dual_loss, ppo_loss)
+    if token_weights is not None:
+        if token_weights.shape != logprobs.shape:
+            raise ValueError(f"token_weights must be {tuple(logprobs.shape)}, got {tuple(token_weights.shape)}")
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
     with torch.no_grad():
@@ -220,6 +228,31 @@ def policy_loss(
             "ratio_mean": _safe_mean(ratio, mask).item(),
         }
     return loss, metrics
+
+
+def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, cap: float) -> Tensor:
+    """Per-token importance weights pi_old / pi_behavior, truncated at `cap` (AReaL's decoupled PPO objective
+    with a truncated weight, as in TIS): they re-weight samples drawn by other weights than the update's old
+    policy (a stale replica, a sampler whose kernels differ) towards the old policy the PPO ratio starts from.
+
+    Args:
+        old_logprobs: `[B, T]` logprobs under the weights the update starts from (recomputed by the learner).
+        behavior_logprobs: `[B, T]` the sampler's logprobs of the same tokens; NaN where there is none
+            (replayed rows, padding, prompt positions): those tokens get weight 1.
+        cap: upper bound of a weight (>= 1); there is no lower bound, as in TIS.
+
+    Returns:
+        `[B, T]` float weights in `[0, cap]`, with no gradient.
+    """
+    if old_logprobs.shape != behavior_logprobs.shape:
+        raise ValueError(
+            f"old_logprobs and behavior_logprobs must share a shape, got "
+            f"{tuple(old_logprobs.shape)}, {tuple(behavior_logprobs.shape)}"
+        )
+    if cap < 1.0:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    log_weight = torch.clamp(old_logprobs.detach() - behavior_logprobs, max=math.log(cap))
+    return torch.where(torch.isnan(behavior_logprobs), 1.0, torch.exp(log_weight)).to(old_logprobs.dtype)
 
 
 def overlong_penalty(response_lengths: Tensor, max_len: int, buffer_len: int, penalty_factor: float) -> Tensor:

@@ -36,6 +36,7 @@ class ExperienceBatch:
     replayed: Tensor  # [N] bool
     group_index: Tensor  # [N] long, which group (question) each row belongs to
     old_logprobs: Tensor | None = None  # [N, L-1] float, filled in before the update
+    behavior_logprobs: Tensor | None = None  # [N, L-1] float, the sampler's; NaN where none (only when asked)
 
     @property
     def size(self) -> int:
@@ -58,6 +59,7 @@ class ExperienceBatch:
             replayed=self.replayed[index],
             group_index=self.group_index[index],
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[index, : length - 1],
+            behavior_logprobs=(None if self.behavior_logprobs is None else self.behavior_logprobs[index, : length - 1]),
         )
 
     def with_old_logprobs(self, old_logprobs: Tensor) -> ExperienceBatch:
@@ -85,11 +87,13 @@ def layout_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int
     return tokens, attention, loss_mask
 
 
-def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
+def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = False) -> ExperienceBatch:
     """Tensors for every trajectory of `groups`; advantages normalised within each mixed group.
 
     Every trajectory needs `prompt_token_ids`, at least one `response_token_ids` and a finite reward;
-    `NonFiniteError` names the trajectory whose reward (or advantage) is NaN or infinite.
+    `NonFiniteError` names the trajectory whose reward (or advantage) is NaN or infinite. With
+    `with_behavior`, the batch also carries the sampler's logprobs in the `loss_mask` layout (NaN where a
+    row has none: replayed rows, which were sampled by another policy for another prompt rendering).
     """
     trajectories, rewards, group_ids = flatten_groups(groups)
     if not trajectories:
@@ -109,6 +113,13 @@ def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
             raise ValueError(f"trajectory {t.id[:12]} of question {t.question_id} lacks prompt or response tokens")
         rows.append((list(t.prompt_token_ids), list(t.response_token_ids)))
     tokens, attention, loss_mask = layout_rows(rows, pad_id)
+    behavior = None
+    if with_behavior:
+        behavior = torch.full(loss_mask.shape, float("nan"))
+        for i, t in enumerate(trajectories):
+            if t.behavior_logprobs and t.source != Source.REPLAY:
+                start = len(t.prompt_token_ids) - 1
+                behavior[i, start : start + len(t.behavior_logprobs)] = torch.tensor(t.behavior_logprobs)
     return ExperienceBatch(
         tokens=tokens,
         attention_mask=attention,
@@ -117,6 +128,7 @@ def build_batch(groups: Sequence[Group], pad_id: int) -> ExperienceBatch:
         rewards=rewards,
         replayed=torch.tensor([t.source == Source.REPLAY for t in trajectories]),
         group_index=group_ids,
+        behavior_logprobs=behavior,
     )
 
 

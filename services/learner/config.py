@@ -77,6 +77,15 @@ class AlgorithmConfig(StrictModel):
     (verl's one-step-off-policy recipe, prime-rl's async level). 0 = the paper's synchronous step. Groups
     staler than k (e.g. from a replica that rejoined on old weights) are dropped and counted in the step
     record. Old logprobs are recomputed under the learner's weights before the update (README, *Overlap*)."""
+    behavior_correction: Literal["none", "truncated_is"] = "none"
+    """Beyond the reference (off by default): how fresh samples drawn by other weights than the update's old
+    policy are corrected (README, *Overlap*). `none`: the PPO ratio starts from old logprobs recomputed under
+    the learner's weights, and the gap to the sampler is ignored (verl's one-step-off-policy recipe).
+    `truncated_is`: each fresh token's loss is also weighted by min(pi_old / pi_sampler, behavior_weight_cap),
+    pi_sampler being the sampler's logprob (AReaL's decoupled objective, truncated as in TIS); replayed rows
+    get weight 1. Needs temperature 1 and top_p 1: the learner scores the untempered policy."""
+    behavior_weight_cap: float = Field(2.0, ge=1)
+    """Upper bound of a `truncated_is` weight."""
 
 
 class OptimConfig(StrictModel):
@@ -212,4 +221,11 @@ class TrainConfig(StrictModel):
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")
         if self.algorithm.overlong_buffer_tokens > self.algorithm.max_response_tokens:
             raise ValueError("algorithm.overlong_buffer_tokens cannot exceed algorithm.max_response_tokens")
+        algo = self.algorithm
+        if algo.behavior_correction == "truncated_is" and (algo.temperature != 1.0 or algo.top_p != 1.0):
+            raise ValueError(
+                "algorithm.behavior_correction=truncated_is needs temperature 1 and top_p 1: the learner scores "
+                f"the untempered policy, so its ratio to the sampler at temperature {algo.temperature} / top_p "
+                f"{algo.top_p} is not an importance weight"
+            )
         return self

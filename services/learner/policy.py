@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlep.common.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
+from rlep.common.algorithm import behavior_weights, mini_batch_normalizer, policy_loss, warmup_lr
 from rlep.services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.weight_push import WeightPusher
@@ -210,6 +210,7 @@ class DeepSpeedPolicy:
                 clip_c=algo.clip_c,
                 agg=algo.loss_agg,
                 normalizer=normalizer,
+                token_weights=self._token_weights(sub),
             )
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             self.engine.backward(loss * weight_scale, scale_wrt_gas=False)
@@ -222,6 +223,13 @@ class DeepSpeedPolicy:
                 sums[key] += stats[key] * weight
             sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
         self.optimizer_steps += 1
+
+    def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
+        """`truncated_is`: pi_old / pi_sampler per token, truncated (README, *Overlap*); otherwise None."""
+        algo = self.config.algorithm
+        if algo.behavior_correction != "truncated_is" or sub.behavior_logprobs is None:
+            return None
+        return behavior_weights(sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
 
     def _sum_over_processes(self, sums: dict[str, float]) -> dict[str, float]:
         """Each process saw its share of the rows: the step's statistics are sums over all processes."""

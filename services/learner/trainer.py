@@ -155,7 +155,7 @@ class Trainer:
             Group(q.question_id, q.ground_truth, fresh + replayed.get(q.question_id, []))
             for q, fresh in zip(gathered.questions, gathered.fresh, strict=True)
         ]
-        batch = build_batch(groups, self.tokenizer.pad_id)
+        batch = build_batch(groups, self.tokenizer.pad_id, with_behavior=algo.behavior_correction != "none")
         with timer.phase("train"):
             batch = batch.with_old_logprobs(self.policy.logprobs(batch))
             # Mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.

@@ -71,3 +71,36 @@ def test_old_logprobs_are_the_learners_not_the_stale_samplers(tokenizer, verifie
         trainer.close()
     for batch, _ in policy.updates:
         assert batch.old_logprobs is not None and torch.equal(batch.old_logprobs, policy.logprobs(batch))
+
+
+def test_truncated_is_hands_the_samplers_logprobs_of_fresh_rows_to_the_update(
+    tokenizer,  # noqa: F811
+    verifier_client,
+    replay_client,
+    pool_name,
+):
+    """With behavior_correction=truncated_is the batch carries each fresh token's sampler logprob (-3.0 here) where
+    the loss counts it, and NaN (weight 1) for replayed rows; with the default it carries none."""
+    answers = [stored(tokenizer, q, f"{tag} \\boxed{{{q.ground_truth}}}") for q in QUESTIONS for tag in "ab"]
+    replay_client.add(pool_name, answers)
+    trainer, policy, rollout = make_trainer(
+        tokenizer,
+        verifier_client,
+        replay_client,
+        pool_name,
+        replayed_per_question=2,
+        max_staleness=1,
+        behavior_correction="truncated_is",
+    )
+    rollout.sampler_logprob = -3.0
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+    ((batch, _),) = policy.updates
+    fresh, replayed = ~batch.replayed, batch.replayed
+    assert replayed.sum() == 2 * len(QUESTIONS)
+    counted = batch.loss_mask[fresh].bool()
+    assert torch.all(batch.behavior_logprobs[fresh][counted] == -3.0)
+    assert torch.isnan(batch.behavior_logprobs[fresh][~counted]).all()
+    assert torch.isnan(batch.behavior_logprobs[replayed]).all()

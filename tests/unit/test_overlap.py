@@ -47,3 +47,63 @@ def test_recomputed_old_logprobs_make_a_stale_batch_start_on_policy():
     loss, stats = policy_loss(learner, sampler, advantage, mask)
     (grad,) = torch.autograd.grad(loss, learner)
     assert stats["clip_fraction"] == 1.0 and grad.item() == 0.0
+
+
+def test_truncated_is_weights_a_stale_token_by_its_ratio_to_the_sampler():
+    """The same token with `truncated_is`: pi_old / pi_sampler = 0.5 / 0.1 = 5, truncated at the cap 2, scales the
+    on-policy gradient; a token the sampler over-weighted (0.5 vs 0.8 now) is down-weighted by 0.625; a token with
+    no sampler logprob (a replayed row, NaN) keeps weight 1."""
+    from rlep.common.algorithm import behavior_weights
+
+    learner = torch.tensor([[math.log(0.5), math.log(0.5), math.log(0.5)]], requires_grad=True)
+    sampler = torch.tensor([[math.log(0.1), math.log(0.8), float("nan")]])
+    weights = behavior_weights(learner.detach(), sampler, cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([2.0, 0.625, 1.0])
+    assert not weights.requires_grad
+
+    advantage, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    loss, _ = policy_loss(learner, learner.detach(), advantage, mask, token_weights=weights)
+    (grad,) = torch.autograd.grad(loss, learner)
+    # token-mean over 3 tokens of -A * w * ratio: d/dlogp = -w / 3 at ratio 1.
+    assert grad.tolist()[0] == pytest.approx([-2.0 / 3, -0.625 / 3, -1.0 / 3])
+
+
+def test_behavior_weights_refuse_a_cap_below_one_and_mismatched_shapes():
+    from rlep.common.algorithm import behavior_weights
+
+    with pytest.raises(ValueError, match="cap"):
+        behavior_weights(torch.zeros(1, 2), torch.zeros(1, 2), cap=0.5)
+    with pytest.raises(ValueError, match="shape"):
+        behavior_weights(torch.zeros(1, 2), torch.zeros(1, 3), cap=2.0)
+
+
+def test_the_batch_carries_sampler_logprobs_of_fresh_rows_only_in_the_loss_layout():
+    from rlep.common.types import Group, Source
+    from rlep.services.learner.batch import build_batch
+
+    fresh = Trajectory(
+        "q", "a", 1.0, prompt_token_ids=(1, 2), response_token_ids=(3, 4), behavior_logprobs=(-0.5, -1.5)
+    )
+    replayed = Trajectory(
+        "q", "b", 0.0, source=Source.REPLAY, prompt_token_ids=(1, 2), response_token_ids=(5,), behavior_logprobs=(-9.0,)
+    )
+    batch = build_batch([Group("q", "1", [fresh, replayed])], pad_id=0, with_behavior=True)
+    behavior = batch.behavior_logprobs
+    assert behavior[0, 1:3].tolist() == [-0.5, -1.5] and torch.isnan(behavior[0, :1]).all()
+    assert torch.isnan(behavior[1]).all()  # a replayed row was sampled by another policy: weight 1
+    assert (batch.loss_mask.bool() == ~torch.isnan(behavior))[0].all()
+    assert build_batch([Group("q", "1", [fresh, replayed])], pad_id=0).behavior_logprobs is None
+    assert batch.select([0]).behavior_logprobs.shape == (1, 3)
+
+
+def test_truncated_is_is_refused_where_the_sampler_is_tempered():
+    from pydantic import ValidationError
+
+    from rlep.services.learner.config import TrainConfig
+
+    base = {"model": "m", "data": {"train_files": ["t.parquet"]}}
+    TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is"}})
+    with pytest.raises(ValidationError, match="temperature 1 and top_p 1"):
+        TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is", "temperature": 0.7}})
+    with pytest.raises(ValidationError, match="behavior_correction"):
+        TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "sampler"}})
