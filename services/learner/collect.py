@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -36,6 +36,15 @@ from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 
 STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
+# How a question's successes are counted against `min_successes`: `distinct` texts (the default: the pool
+# stores a text once, so this is what replay can draw) or every `correct` sample (the paper's rule).
+KeepRule = Literal["distinct", "correct"]
+
+
+def keeps_question(success_texts: list[str], min_successes: int, rule: KeepRule = "distinct") -> bool:
+    """Whether a question with these verified successes goes to the pool."""
+    count = len(set(success_texts)) if rule == "distinct" else len(success_texts)
+    return count >= min_successes
 
 
 @dataclass
@@ -120,15 +129,19 @@ def collect(
     show_progress: bool = True,
     checkpoint: Path | str | None = None,
     tokenizer: PolicyTokenizer | None = None,
+    keep_rule: KeepRule = "distinct",
 ) -> CollectStats:
     """Samples, verifies and stores successes chunk by chunk.
 
     Resumes from `state_file` when it holds a run with the same `run_settings` (the sampled
     `checkpoint` among them); raises StateMismatch when it holds another. With `tokenizer` (the sampled
     policy's), prompts are rendered and left-truncated as in training and successes carry its
-    fingerprint, so a learner with the same tokenizer trains on their ids as sampled.
+    fingerprint, so a learner with the same tokenizer trains on their ids as sampled. `keep_rule`: see
+    `KeepRule` (part of the settings when not the default).
     """
     settings = run_settings(config, questions, pool, checkpoint)
+    if keep_rule != "distinct":
+        settings["keep_rule"] = keep_rule
     stats = load_state(state_file, settings)
     if tokenizer is not None:  # prompt + max_response_tokens must fit every replica's model
         tokenizer.fit_model_length(services.rollout.max_model_len())
@@ -152,7 +165,7 @@ def collect(
             kept=stats.questions_kept,
         )
         for index in range(stats.chunks_done, len(chunks)):
-            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer)
+            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer, keep_rule)
             stats.chunks_done = index + 1
             stats.seconds = time.perf_counter() - started
             if state_file:
@@ -171,6 +184,7 @@ def _collect_chunk(
     index: int,
     stats: CollectStats,
     tokenizer: PolicyTokenizer | None,
+    keep_rule: KeepRule = "distinct",
 ) -> None:
     prompts = [tokenizer.encode_prompt(q.chat()).token_ids if tokenizer else q.chat() for q in chunk]
     completions = services.rollout.generate(
@@ -202,9 +216,8 @@ def _collect_chunk(
         stats.questions += 1
         stats.samples += len(completion.samples)
         stats.successes += len(successes)
-        # Distinct texts: identical answers are one success in the pool (ids hash the text).
-        distinct = len({t.response_text for t in successes})
-        if distinct >= config.min_successes:
+        # Identical answers are one success in the pool (ids hash the text), whatever the rule counts.
+        if keeps_question([t.response_text for t in successes], config.min_successes, keep_rule):
             stats.questions_kept += 1
             keep.extend(successes)
     if keep:
