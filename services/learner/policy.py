@@ -227,7 +227,7 @@ class DeepSpeedPolicy:
     def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
         """`truncated_is`: pi_old / pi_sampler per token, truncated (README, *Overlap*); otherwise None."""
         algo = self.config.algorithm
-        if algo.behavior_correction != "truncated_is" or sub.behavior_logprobs is None:
+        if algo.correction != "truncated_is" or sub.behavior_logprobs is None:
             return None
         return behavior_weights(sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
 

@@ -107,3 +107,13 @@ def test_truncated_is_is_refused_where_the_sampler_is_tempered():
         TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is", "temperature": 0.7}})
     with pytest.raises(ValidationError, match="behavior_correction"):
         TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "sampler"}})
+
+
+def test_auto_correction_is_truncated_is_only_for_overlapped_untempered_steps():
+    from rlep.services.learner.config import AlgorithmConfig
+
+    assert AlgorithmConfig().correction == "none"  # the paper's synchronous step is unchanged
+    assert AlgorithmConfig(max_staleness=1).correction == "truncated_is"
+    assert AlgorithmConfig(max_staleness=1, temperature=0.7).correction == "none"
+    assert AlgorithmConfig(max_staleness=1, behavior_correction="none").correction == "none"
+    assert AlgorithmConfig(behavior_correction="truncated_is").correction == "truncated_is"
