@@ -8,8 +8,8 @@
    both file transports (`StreamTransport`: streamed bytes, `SharedFileTransport`: shared-memory file)
    vs writing the same tensors with `safetensors.torch.save_file` to the same (shared-memory) filesystem
    and loading them back into the model (goal: push <= 2x raw). The three are alternated round by round
-   (at least 5 rounds, each in a rotated order) so they see the same machine load; medians and the
-   min-max spread are printed, since a single raw figure swung 0.26-0.90 s between runs.
+   (at least 5 rounds, each in a rotated order, after one untimed round of each) so they see the same machine
+   load; medians and the min-max spread are printed, since a single raw figure swung 0.26-0.90 s between runs.
 
    The worker's own figures (receive + check, engine load) are printed beside them: where a push's time goes.
 3. Object store (with the push section's tiny and 100m workers): the bytes one weight push puts through Ray's
@@ -166,6 +166,12 @@ def push_timings(args, client, model_dir: Path) -> dict:
         "stream": pusher("stream", StreamTransport()),
         "shared_file": pusher("shared_file", SharedFileTransport()),
     }
+    # One untimed round of each first: the first save_file, load and push pay one-off costs (the model's first
+    # load_state_dict, the interpreter's first big allocations) that swung a single raw figure 0.21-1.57 s.
+    for run in runs.values():
+        run()
+    for pairs in worker.values():
+        pairs.clear()
     timings: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for round_index in range(max(args.repeats, 5)):
