@@ -7,16 +7,28 @@ Clients outside Ray (the learner Job) get the list once, here, in an init contai
     python resolve_rollout.py --ray-address ray://rlep-rollout-head-svc:10001 --app rlep-rollout \
         --expect 2 --key endpoints.rollout --base /etc/rlep/config/train.yaml --out /run/rlep/train.yaml
 
+KubeRay creates the head Service only once the Serve application runs, so the script first waits for the
+Service's name to resolve and for the Ray client to connect, then for `--expect` replicas to answer; all of
+it within `--wait-s`, after which it exits non-zero.
+
 A replica that Serve restarts later comes back on a new port; a restarted learner pod picks it up.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
+
+# Between attempts to reach the head: KubeRay's Service appears within seconds of the app running, and a
+# refused Ray client connection costs nothing.
+RETRY_INTERVAL_S = 5.0
 
 
 def with_addresses(base: dict[str, Any], dotted_key: str, addresses: list[str]) -> dict[str, Any]:
@@ -29,6 +41,33 @@ def with_addresses(base: dict[str, Any], dotted_key: str, addresses: list[str]) 
         node = node[section]
     node[leaf] = list(addresses)
     return result
+
+
+def connect(
+    address: str,
+    wait_s: float,
+    init: Callable[[str], Any],
+    resolve: Callable[[str, int], Any] = socket.getaddrinfo,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
+    """Waits for `address`'s host to resolve, then calls `init(address)` until it connects.
+
+    Returns the seconds left of `wait_s`; raises SystemExit (naming the last error) when it runs out.
+    """
+    deadline = clock() + wait_s
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    error: Exception | None = None
+    while clock() < deadline:
+        try:
+            resolve(parts.hostname, parts.port or 10001)
+            init(address)
+            return max(deadline - clock(), 0.0)
+        except (OSError, ConnectionError) as err:  # gaierror: no Service yet; ConnectionError: not serving yet
+            error = err
+            print(f"waiting for {address}: {err}", flush=True)
+            sleep(RETRY_INTERVAL_S)
+    raise SystemExit(f"{address} did not answer within {wait_s:.0f} s (last error: {error})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,9 +85,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from rlep.services.rollout.ray_app import replica_addresses
 
-    ray.init(address=args.ray_address, log_to_driver=False)
+    left_s = connect(args.ray_address, args.wait_s, init=lambda address: ray.init(address=address, log_to_driver=False))
     try:
-        addresses = replica_addresses(args.app, wait_s=args.wait_s, expect=args.expect)
+        addresses = replica_addresses(args.app, wait_s=left_s, expect=args.expect)
     finally:
         ray.shutdown()
     if len(addresses) < args.expect:
