@@ -19,9 +19,17 @@ KUBE_VERSION = "1.32.0"
 CRD_KINDS = {"RayService", "ServiceMonitor"}
 TOKEN_PATH = "/etc/rlep/secrets/auth-token"
 
-# Everything a production install changes: GPUs, sizes, placement, external Redis, monitoring on.
+# What the learner needs to train: parquet files on a data volume.
+LEARNER_ON = {
+    "enabled": True,
+    "trainFiles": ["train.parquet"],
+    "dataVolume": {"persistentVolumeClaim": {"claimName": "data"}},
+}
+
+# Everything a production install changes: GPUs, a model volume, sizes, placement, external Redis, monitoring on.
 CUSTOM_VALUES = {
-    "image": {"repository": "registry.example/rlep-gpu", "tag": "1.2.3"},
+    "image": {"repository": "registry.example/rlep", "tag": "1.2.3"},
+    "model": {"volume": {"persistentVolumeClaim": {"claimName": "qwen"}}, "path": "qwen-7b"},
     "auth": {"token": "t0ken"},
     "redis": {"enabled": False, "externalUrl": "redis://:pw@redis.example:6379/0"},
     "verifier": {"replicas": 3, "config": {"num_workers": 8, "item_timeout_s": 10.0}},
@@ -31,18 +39,27 @@ CUSTOM_VALUES = {
         "replicas": 4,
         "gpusPerReplica": 1,
         "cpusPerReplica": 8,
-        "config": {"engine": {"model": "/models/qwen", "dtype": "bfloat16"}},
+        "config": {"engine": {"dtype": "bfloat16"}},
+        "head": {"env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]},
         "worker": {
+            "memory": "64Gi",
+            "shmSize": "20Gi",
+            "weightPushSize": "16Gi",
+            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "volumeMounts": [{"name": "cache", "mountPath": "/home/rlep/.cache"}],
             "nodeSelector": {"nvidia.com/gpu.product": "H100"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
     },
     "learner": {
+        **LEARNER_ON,
         "processes": 4,
         "gpusPerProcess": 1,
-        "config": {"steps": 500, "algorithm": {"replayed_per_question": 2}},
+        "config": {"run_id": "qwen-rlep", "steps": 500, "algorithm": {"replayed_per_question": 2}},
         "checkpoints": {"persistence": {"enabled": True, "storageClass": "fast"}},
-        "dataVolume": {"persistentVolumeClaim": {"claimName": "data"}},
+        "resources": {"cpu": "16", "memory": "256Gi"},
+        "shmSize": "64Gi",
     },
     "nodeSelector": {"pool": "rlep"},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
@@ -61,6 +78,12 @@ def render(values: dict | None = None) -> list[dict]:
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def learner_job(docs: list[dict]) -> dict:
+    """The learner Job (its name carries a hash of its spec: rlep-learner-<8 hex>)."""
+    [job] = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("rlep-learner-")]
+    return job
 
 
 @pytest.fixture(scope="module", params=["default", "custom"])
@@ -92,8 +115,19 @@ def test_default_install_has_every_component(manifests):
     kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests}
     for component in ("verifier", "replay", "eval"):
         assert ("Deployment", f"rlep-{component}") in kinds and ("Service", f"rlep-{component}") in kinds
-    assert ("RayService", "rlep-rollout") in kinds and ("Job", "rlep-learner") in kinds
-    assert ("ConfigMap", "rlep-dashboard") in kinds
+    assert ("RayService", "rlep-rollout") in kinds and ("ConfigMap", "rlep-dashboard") in kinds
+    learner_on = any(d["kind"] == "Job" for d in manifests)
+    assert learner_on == ("train.yaml" in by_kind(manifests, "ConfigMap")["rlep-config"]["data"])
+
+
+def test_default_install_leaves_the_learner_off_until_it_has_data():
+    import helm_python
+
+    assert "Job" not in {d["kind"] for d in render()}, "the learner needs training data to run"
+    with pytest.raises(helm_python.HelmError, match="learner.enabled needs training data"):
+        render({"learner": {"enabled": True}})
+    with pytest.raises(helm_python.HelmError, match="learner.dataVolume is empty"):
+        render({"learner": {"enabled": True, "trainFiles": ["a.parquet"]}})
 
 
 def test_services_select_pods_the_chart_creates(manifests):
@@ -158,10 +192,11 @@ def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path
         "eval": EvalConfig.model_validate(
             resolve(local(files["eval.yaml"], token), "rollout.addresses", ["10.0.0.9:40000"])
         ),
-        "train": TrainConfig.model_validate(
-            resolve(local(files["train.yaml"], token), "endpoints.rollout", ["10.0.0.9:40000"])
-        ),
     }
+    if "train.yaml" in files:
+        parsed["train"] = TrainConfig.model_validate(
+            resolve(local(files["train.yaml"], token), "endpoints.rollout", ["10.0.0.9:40000"])
+        )
     assert parsed["verifier"].server.host == "0.0.0.0" and parsed["verifier"].server.port == 50061
     assert parsed["replay"].server.metrics_port == 9462
     assert parsed["eval"].verifier.address == "rlep-verifier:50061"
@@ -170,8 +205,10 @@ def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path
         assert parsed["eval"].allowed_roots == [Path("/data")], "eval must accept files on its data volume"
     else:
         assert "allowed_roots" not in files["eval.yaml"]
-    assert parsed["train"].endpoints.replay == "rlep-replay:50062" and parsed["train"].metrics_port == 9464
-    assert parsed["train"].metrics_host == "0.0.0.0" and str(parsed["train"].checkpoint.dir) == "/checkpoints"
+    if "train" in parsed:
+        train = parsed["train"]
+        assert train.endpoints.replay == "rlep-replay:50062" and train.metrics_port == 9464
+        assert train.metrics_host == "0.0.0.0" and str(train.checkpoint.dir) == f"/checkpoints/{train.run_id}"
 
 
 def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
@@ -208,15 +245,15 @@ def test_custom_values_reach_the_manifests():
     [workers] = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     spec = workers["template"]["spec"]
     assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert spec["containers"][0]["image"] == "registry.example/rlep-gpu:1.2.3"
+    assert spec["containers"][0]["image"] == "registry.example/rlep:1.2.3-gpu"
     assert spec["nodeSelector"] == {"pool": "rlep", "nvidia.com/gpu.product": "H100"}
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     [app] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
     assert app["deployments"][0]["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 1}
-    assert app["args"]["config"]["engine"] == {"model": "/models/qwen", "dtype": "bfloat16"}
+    assert app["args"]["config"]["engine"] == {"model": "/models/qwen-7b", "dtype": "bfloat16"}
     assert by_kind(docs, "Deployment")["rlep-verifier"]["spec"]["replicas"] == 3
 
-    job = by_kind(docs, "Job")["rlep-learner"]["spec"]["template"]["spec"]
+    job = learner_job(docs)["spec"]["template"]["spec"]
     assert job["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert job["initContainers"][0]["name"] == "resolve-rollout"
     train = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"])
@@ -269,14 +306,14 @@ def test_dashboard_configmap_is_the_shipped_dashboard():
 
 
 def test_learner_init_container_asks_the_rayservice_head():
-    docs = render()
-    job = by_kind(docs, "Job")["rlep-learner"]["spec"]["template"]["spec"]
+    docs = render({"learner": LEARNER_ON})
+    job = learner_job(docs)["spec"]["template"]["spec"]
     [init] = job["initContainers"]
     assert "--ray-address=ray://rlep-rollout-head-svc:10001" in init["command"]
     assert "--key=endpoints.rollout" in init["command"]
     [shell, flag, script] = job["containers"][0]["command"]
     assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/run/rlep/train.yaml" in script
-    assert "[ -e /checkpoints/latest ]" in script, "a retried learner pod must resume from its checkpoint"
+    assert "run=/checkpoints/rlep;" in script and '[ -e "$run/latest" ]' in script, "a retried pod must resume"
     scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["resolve_rollout.py"]
     assert scripts.strip() == (CHART / "files" / "resolve_rollout.py").read_text().strip()
 

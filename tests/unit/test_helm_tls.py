@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.unit.test_helm_chart import KUBE_VERSION, by_kind, pod_templates, render
+from tests.unit.test_helm_chart import KUBE_VERSION, LEARNER_ON, by_kind, pod_templates, render
 
 TLS_VALUES = {"tls": {"secretName": "rlep-tls", "serverName": "rlep.internal"}, "auth": {"token": "t"}}
 TLS_VALUES["monitoring"] = {"serviceMonitor": {"enabled": True}}
+TLS_VALUES["learner"] = LEARNER_ON
 TLS_DIR = "/etc/rlep/tls"
 
 

@@ -1,11 +1,14 @@
 {{/* Names, labels and the pieces every RLEP pod shares. */}}
 
+{{/* The prefix of every name. At most 39 characters: the RayService is <fullname>-rollout and KubeRay refuses
+RayService names over 47 (MaxRayServiceNameLength). Refused rather than truncated, which could make two
+releases share names. */}}
 {{- define "rlep.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- $name := ternary .Release.Name (printf "%s-%s" .Release.Name .Chart.Name) (contains .Chart.Name .Release.Name) -}}
+{{- if gt (len $name) 39 -}}
+{{- fail (printf "the names of this release start with %q (%d characters); at most 39 fit KubeRay's 47-character RayService name (<name>-rollout): use a shorter release name" $name (len $name)) -}}
 {{- end -}}
+{{- $name -}}
 {{- end -}}
 
 {{- define "rlep.labels" -}}
@@ -26,6 +29,42 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "rlep.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The image of a pod with GPUs (deploy/docker/Dockerfile.gpu): the CPU image's vLLM cannot use them. */}}
+{{- define "rlep.gpuImage" -}}
+{{- $tag := .Values.image.gpuTag | default (printf "%s-gpu" (.Values.image.tag | default .Chart.AppVersion)) -}}
+{{ .Values.image.gpuRepository | default .Values.image.repository }}:{{ $tag }}
+{{- end -}}
+
+{{/* A Kubernetes quantity (4Gi, 512Mi, 2G, 1e9, "1073741824") in whole MiB, for the chart's sizing checks. */}}
+{{- define "rlep.mib" -}}
+{{- $q := toString . -}}
+{{- $factors := dict "Ki" 0.0009765625 "Mi" 1.0 "Gi" 1024.0 "Ti" 1048576.0 "k" 0.00095367431640625 "M" 0.95367431640625 "G" 953.67431640625 "T" 953674.31640625 -}}
+{{- $unit := regexFind "[a-zA-Z]+$" $q -}}
+{{- if and $unit (not (hasKey $factors $unit)) -}}
+{{- fail (printf "cannot size %q: use Ki, Mi, Gi, Ti, k, M, G or T" $q) -}}
+{{- end -}}
+{{- $number := float64 (trimSuffix $unit $q) -}}
+{{- if $unit -}}{{- mulf $number (get $factors $unit) | floor | int64 -}}{{- else -}}{{- divf $number 1048576.0 | floor | int64 -}}{{- end -}}
+{{- end -}}
+
+{{/* Guaranteed QoS: requests == limits. Argument: (dict "cpu" "2" "memory" "8Gi" "gpus" 0) */}}
+{{- define "rlep.guaranteed" -}}
+{{- $amounts := dict "cpu" (toString .cpu) "memory" (toString .memory) -}}
+{{- if gt (int .gpus) 0 }}{{- $_ := set $amounts "nvidia.com/gpu" (int .gpus) -}}{{- end -}}
+{{- toYaml (dict "requests" $amounts "limits" $amounts) -}}
+{{- end -}}
+
+{{/* Where the starting checkpoint is inside the pods, or "" when model.volume is not set. */}}
+{{- define "rlep.modelPath" -}}
+{{- if .Values.model.volume -}}
+{{- trimSuffix "/" (printf "/models/%s" (.Values.model.path | default "" | trimPrefix "/")) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlep.rayAuthSecretName" -}}
+{{- .Values.rollout.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "rlep.fullname" .)) -}}
 {{- end -}}
 
 {{- define "rlep.secretName" -}}
@@ -169,16 +208,25 @@ The pod needs the volumes from "rlep.resolveVolumes"; the main container reads /
     - --ray-address={{ include "rlep.rayClientAddress" .root }}
     - --app={{ .root.Values.rollout.appName }}
     - --expect={{ .root.Values.rollout.replicas }}
+    - --wait-s={{ .root.Values.rollout.startupWaitSeconds }}
     - --key={{ .key }}
     - --base=/etc/rlep/config/{{ .config }}
     - --out=/run/rlep/{{ .config }}
-  {{- with include "rlep.tlsEnv" .root | fromYamlArray }}
-  # It health-checks the replicas (over TLS when on) before writing their addresses.
+  {{- $env := include "rlep.tlsEnv" .root | fromYamlArray }}
+  {{- if .root.Values.rollout.rayAuth.enabled }}
+  {{- $tokenRef := dict "secretKeyRef" (dict "name" (include "rlep.rayAuthSecretName" .root) "key" "auth_token") }}
+  {{- $env = concat (list (dict "name" "RAY_AUTH_MODE" "value" "token") (dict "name" "RAY_AUTH_TOKEN" "valueFrom" $tokenRef)) $env }}
+  {{- end }}
+  {{- with $env }}
+  # The Ray client's token (rollout.rayAuth); it health-checks the replicas (over TLS when on) before
+  # writing their addresses.
   env:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   securityContext:
     {{- toYaml .root.Values.securityContext | nindent 4 }}
+  resources:
+    {{- include "rlep.guaranteed" (dict "cpu" "250m" "memory" "512Mi" "gpus" 0) | nindent 4 }}
   volumeMounts:
     - { name: config, mountPath: /etc/rlep/config, readOnly: true }
     - { name: scripts, mountPath: /etc/rlep/scripts, readOnly: true }
@@ -192,4 +240,129 @@ The pod needs the volumes from "rlep.resolveVolumes"; the main container reads /
 - name: scripts
   configMap:
     name: {{ include "rlep.fullname" . }}-scripts
+{{- end -}}
+
+{{/*
+The learner's TrainConfig as YAML (configmap.yaml writes it, learner.yaml hashes it): fields from values
+(`learner.config`) over what the chart sets itself. data.train_files are learner.trainFiles under /data, the
+data volume's mount; checkpoints go to /checkpoints/<run_id> on the checkpoint volume.
+*/}}
+{{- define "rlep.trainConfig" -}}
+{{- $l := .Values.learner }}
+{{- $token := include "rlep.tokenPath" . }}
+{{- $files := list }}
+{{- range $l.trainFiles }}
+{{- if hasPrefix "/" . }}
+{{- $files = append $files . }}
+{{- else if not $l.dataVolume }}
+{{- fail (printf "learner.trainFiles names %q relative to the data volume, but learner.dataVolume is empty" .) }}
+{{- else }}
+{{- $files = append $files (printf "/data/%s" .) }}
+{{- end }}
+{{- end }}
+{{- $data := dict }}
+{{- if $files }}{{- $_ := set $data "train_files" $files }}{{- end }}
+{{- if not (or $files (dig "data" "train_files" list $l.config)) }}
+{{- fail "learner.enabled needs training data: set learner.dataVolume and learner.trainFiles (parquet files on it)" }}
+{{- end }}
+{{- $runId := $l.config.run_id | default "rlep" }}
+{{- $endpoints := dict "verifier" (include "rlep.verifierAddress" .) "replay" (include "rlep.replayAddress" .) "auth_token_file" $token "rollout" $l.rolloutEndpoints }}
+{{- $deepspeed := dict "num_processes" (int $l.processes) }}
+{{- /* Ray resources of each DeepSpeed process in the pod's own Ray: the GPUs the pod was given. */ -}}
+{{- $local := dict "learner_gpus" $l.gpusPerProcess }}
+{{- $train := dict "run_id" $runId "endpoints" $endpoints "deepspeed" $deepspeed "local" $local "data" $data "checkpoint" (dict "dir" (printf "/checkpoints/%s" $runId)) "metrics_host" "0.0.0.0" "metrics_port" 9464 }}
+{{- with include "rlep.modelPath" . }}{{- $_ := set $train "model" . }}{{- end }}
+{{- if .Values.tls.secretName }}{{- $_ := set $train "metrics_tls" (include "rlep.tlsServerFields" . | fromYaml) }}{{- end }}
+{{- toYaml (mergeOverwrite $train (deepCopy $l.config)) }}
+{{- end -}}
+
+{{/*
+The learner Job's pod template. Argument: (dict "root" $ "resolve" bool "gpus" int "runDir" "/checkpoints/rlep"
+"config" <rlep.trainConfig>). Start-up: a checkpoint in runDir made by this Job (a retried pod) is resumed;
+one made by another Job (a reinstall over the kept volume, an upgrade that replaced the Job) is resumed only
+with learner.resume=continue, else the pod exits 78 (the Job's podFailurePolicy ends it).
+*/}}
+{{- define "rlep.learnerPod" -}}
+{{- $root := .root }}
+{{- $l := $root.Values.learner }}
+{{- $gpu := gt (int .gpus) 0 }}
+metadata:
+  labels:
+    {{- include "rlep.selectorLabels" (dict "root" $root "component" "learner") | nindent 4 }}
+  annotations:
+    checksum/config: {{ .config | sha256sum }}
+spec:
+  restartPolicy: Never
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- include "rlep.podPlacement" (dict "root" $root "component" $l) | nindent 2 }}
+  {{- if .resolve }}
+  initContainers:
+    # Rollout replicas listen on free ports of their Ray worker pods: ask the registry where.
+    {{- include "rlep.resolveRollout" (dict "root" $root "key" "endpoints.rollout" "config" "train.yaml") | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: learner
+      image: {{ ternary (include "rlep.gpuImage" $root) (include "rlep.image" $root) $gpu }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      command:
+        - sh
+        - -c
+        - >-
+          run={{ .runDir }};
+          if [ -e "$run/latest" ]; then
+          if [ -n "$JOB_UID" ] && [ "$(cat "$run/.job-uid" 2>/dev/null)" = "$JOB_UID" ]; then set -- --resume;
+          elif [ "$RLEP_RESUME" = continue ]; then set -- --resume;
+          else echo "$run holds a checkpoint of another learner Job (reinstall or upgrade): set learner.resume=continue to continue that run, or a new learner.config.run_id to start another" >&2; exit 78;
+          fi;
+          fi;
+          mkdir -p "$run" && printf %s "$JOB_UID" > "$run/.job-uid" &&
+          exec rlep train --config={{ ternary "/run/rlep/train.yaml" "/etc/rlep/config/train.yaml" .resolve }} "$@"
+      ports:
+        - { name: metrics, containerPort: 9464 }
+      env:
+        - name: JOB_UID
+          valueFrom: { fieldRef: { fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']" } }
+        - { name: RLEP_RESUME, value: {{ $l.resume | quote }} }
+        {{- with include "rlep.tlsEnv" $root | fromYamlArray }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+      resources:
+        {{- include "rlep.guaranteed" (dict "cpu" $l.resources.cpu "memory" $l.resources.memory "gpus" .gpus) | nindent 8 }}
+      volumeMounts:
+        {{- include "rlep.commonMounts" $root | nindent 8 }}
+        - { name: checkpoints, mountPath: /checkpoints }
+        - { name: dshm, mountPath: /dev/shm }
+        {{- if .resolve }}
+        - { name: resolved, mountPath: /run/rlep, readOnly: true }
+        {{- end }}
+        {{- if $l.dataVolume }}
+        - { name: data, mountPath: /data, readOnly: true }
+        {{- end }}
+        {{- if $root.Values.model.volume }}
+        - { name: model, mountPath: /models, readOnly: true }
+        {{- end }}
+  volumes:
+    {{- include "rlep.configVolume" $root | nindent 4 }}
+    {{- include "rlep.tokenVolume" $root | nindent 4 }}
+    {{- include "rlep.tlsVolume" $root | nindent 4 }}
+    - name: checkpoints
+      {{- if $l.checkpoints.persistence.enabled }}
+      persistentVolumeClaim: { claimName: {{ include "rlep.fullname" $root }}-learner-checkpoints }
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+    - name: dshm
+      emptyDir: { medium: Memory, sizeLimit: {{ $l.shmSize }} }
+    {{- if .resolve }}
+    {{- include "rlep.resolveVolumes" $root | nindent 4 }}
+    {{- end }}
+    {{- with $l.dataVolume }}
+    {{- toYaml (list (merge (dict "name" "data") (deepCopy .))) | nindent 4 }}
+    {{- end }}
+    {{- with $root.Values.model.volume }}
+    {{- toYaml (list (merge (dict "name" "model") (deepCopy .))) | nindent 4 }}
+    {{- end }}
 {{- end -}}
