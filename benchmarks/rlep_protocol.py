@@ -1,0 +1,368 @@
+"""RLEP vs the M=0 baseline, the paper's protocol in miniature with paired seeds (issue 15). Defaults ARE the protocol.
+
+1. One supervised warm-up of the tiny model (fixed seed), cached on disk under a key of its settings and
+   shared by every run.
+2. Baseline (M=0) per RL seed until it plateaus: no new best by more than `min_delta` over `patience`
+   evaluations in a row, capped at `max_steps`. Each step takes `questions_per_step / mini_batch_questions`
+   PPO mini-batch updates, as the paper does (512 / 64 = 8 there).
+3. Collection from the first seed's converged (final) baseline policy: N samples at T=0.7, top-p 0.95;
+   questions with >= 2 correct samples go to the pool. Reports the pool's coverage and diversity.
+4. RLEP (M replayed successes per question) from the same warm-up model, one run per RL seed, as many
+   steps as that seed's baseline ran.
+5. Held-out set of `eval_questions` x `eval_samples` (one sample per question: SE = sqrt(p(1-p)/Q) <= 0.01
+   at any p for Q >= 2,500), evaluated every `eval_every` steps with the run's seed as sampling seed, so
+   both arms of a seed are scored with the same evaluation seed.
+6. Per-seed figures and paired differences (RLEP - baseline) with bootstrap 95% intervals; one PNG, the
+   JSON and rich tables (benchmarks/rlep_protocol_report.py). `--ablations` adds the ablation cells.
+
+    python benchmarks/rlep_protocol.py                       # the protocol (~2 h on 2 cores)
+    python benchmarks/rlep_protocol.py --ablations           # + the ablation table (see ABLATIONS)
+    python benchmarks/rlep_protocol.py --set seeds=[0,1] --set max_steps=4 ...   # a smoke run
+
+Finished runs are kept under `work_dir/<run>/result.json` and reused on a rerun (delete to redo them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rlep.common.config import StrictModel, deep_merge, load_config  # noqa: E402
+from rlep.services.eval.compare import plateau_step  # noqa: E402
+from rlep.services.learner.config import TrainConfig  # noqa: E402
+
+# Every ablation cell: RLEP with these TrainConfig.algorithm values (and a pool) for `ablation_seeds` seeds.
+# `pool`: "phase1" (the protocol's), "phase1-distinct" (collected with >= 2 distinct), "copy" (a per-run
+# copy of phase1, since online replay writes to it), "empty" (a per-run empty pool).
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "strategy=recency": {"algorithm": {"replay_strategy": "recency"}},
+    "strategy=prioritized": {"algorithm": {"replay_strategy": "prioritized"}},
+    "strategy=diverse": {"algorithm": {"replay_strategy": "diverse"}},
+    "M=1": {"algorithm": {"replayed_per_question": 1}},
+    "M=4": {"algorithm": {"replayed_per_question": 4}},
+    "online replay + phase-1 pool": {"algorithm": {"online_replay": True}, "pool": "copy"},
+    "online replay, no phase-1 pool": {"algorithm": {"online_replay": True}, "pool": "empty"},
+    "collect rule >= 2 distinct": {"pool": "phase1-distinct"},
+}
+NOT_RUNNABLE = {
+    "replay failures too": "the replay service keeps CORRECT trajectories only (services/replay/server.py rejects "
+    "others), collect() stores successes only, and the learner re-verifies replayed rows expecting successes",
+}
+
+
+class ProtocolConfig(StrictModel):
+    """Sizes and rules of the protocol; `--set key=value` overrides one (e.g. `--set seeds=[0,1]`)."""
+
+    seeds: list[int] = Field([0, 1, 2, 3, 4], min_length=1)
+    """RL seeds; both arms run each. The first one's baseline is collected from."""
+    work_dir: Path = Path("runs/rlep-protocol")
+    """Checkpoints, step logs and per-run results (reused on a rerun)."""
+    results: Path = Path("benchmarks/results/rlep_protocol")
+    """Prefix of the JSON and PNG written (`.json`, `.png`)."""
+    terms: int = Field(4, ge=2)
+    """Numbers per problem: 4 gives 6 valid solution paths per question (3 gives 3)."""
+    max_value: int = Field(16, ge=2)
+    """Numbers in [1, max_value]: 16^4 = 65,536 problems, ~6,500 of them held out: room for 2,500 eval questions."""
+    warmup_steps: int = Field(600, ge=0)
+    warmup_seed: int = 0
+    train_questions: int = Field(256, ge=8)
+    """Training problems: small enough that each is seen several times and the pool covers most of them."""
+    eval_questions: int = Field(2500, ge=8)
+    eval_samples: int = Field(1, ge=1)
+    eval_every: int = Field(10, ge=1)
+    questions_per_step: int = Field(16, ge=1)
+    mini_batch_questions: int = Field(4, ge=1)
+    """PPO mini-batch: questions_per_step / this = optimizer updates per step (4 here, 8 in the paper)."""
+    fresh_per_question: int = Field(8, ge=2)
+    replayed_per_question: int = Field(2, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    max_response_tokens: int = Field(48, ge=8)
+    max_steps: int = Field(300, ge=1)
+    """Cap of the baseline; a capped run is reported as not plateaued."""
+    patience: int = Field(4, ge=1)
+    """Evaluations without a new best that count as a plateau."""
+    min_delta: float = Field(0.01, ge=0)
+    """A new best must beat the old by more than this (one standard error of an evaluation)."""
+    collect_samples: int = Field(64, ge=2)
+    collect_rule: Literal["correct", "distinct"] = "correct"
+    """Keep questions with >= 2 correct samples (the paper) or >= 2 distinct correct texts."""
+    ablation_seeds: int = Field(2, ge=1)
+    """Seeds per ablation cell (the first ones of `seeds`)."""
+    train: dict[str, Any] = {}
+    """TrainConfig values every run shares beyond the above (default: configs/demo.yaml's `train`)."""
+
+    @model_validator(mode="after")
+    def _evaluated_at_cap(self) -> ProtocolConfig:
+        if self.max_steps % self.eval_every:
+            raise ValueError("max_steps must be a multiple of eval_every (a run stops at an evaluation)")
+        if self.questions_per_step % self.mini_batch_questions:
+            raise ValueError("questions_per_step must be a multiple of mini_batch_questions")
+        return self
+
+
+def demo_train_settings() -> dict[str, Any]:
+    from rlep.services.cli.demo import load_demo_config
+
+    return load_demo_config().train.model_dump(exclude_unset=True)
+
+
+def run_config(
+    cfg: ProtocolConfig, run_id: str, seed: int, steps: int, model: Path, pool: str, extra: dict
+) -> TrainConfig:
+    """The TrainConfig of one run: the protocol's sizes over the shared settings, then `extra` (an ablation)."""
+    work = cfg.work_dir / run_id
+    run = {
+        "run_id": run_id,
+        "model": str(model),
+        "seed": seed,
+        "steps": steps,
+        "replay_pool": pool,
+        "algorithm": {
+            "questions_per_step": cfg.questions_per_step,
+            "fresh_per_question": cfg.fresh_per_question,
+            "replayed_per_question": 0 if run_id.startswith("baseline") else cfg.replayed_per_question,
+            "max_response_tokens": cfg.max_response_tokens,
+            "mini_batch_questions": cfg.mini_batch_questions,
+        },
+        "optim": {"lr": cfg.lr},
+        "checkpoint": {"dir": str(work), "every_steps": steps, "keep_last": 1},
+        "log_file": str(work / "log.jsonl"),
+        "data": {"train_files": [str(cfg.work_dir / "train.parquet")]},
+        "eval": {
+            "every_steps": cfg.eval_every,
+            "files": [str(cfg.work_dir / "eval.parquet")],
+            "samples_per_question": cfg.eval_samples,
+            "max_questions": cfg.eval_questions,
+        },
+    }
+    settings = deep_merge(deep_merge(cfg.train or demo_train_settings(), run), extra)
+    return TrainConfig.model_validate(settings)
+
+
+def shared_warmup(cfg: ProtocolConfig) -> tuple[Path, float | None]:
+    """The one warm-up checkpoint of the protocol, under ~/.cache/rlep/warmup/<key of its settings>/."""
+    from rlep.common.tiny_model import cached_model
+    from rlep.services.learner.warmup import RESULT_FILE, WarmupConfig, warmup
+
+    config = WarmupConfig(terms=cfg.terms, max_value=cfg.max_value, max_new_tokens=cfg.max_response_tokens)
+    base = cached_model("tiny")
+    key = json.dumps([base.name, cfg.warmup_steps, cfg.warmup_seed, config.model_dump(mode="json")], sort_keys=True)
+    out = Path.home() / ".cache" / "rlep" / "warmup" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not (out / RESULT_FILE).exists():
+        warmup(base, out, cfg.warmup_steps, seed=cfg.warmup_seed, config=config)
+    return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
+
+
+def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None) -> dict:
+    """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step.
+
+    Returns the run's curve, where it stopped and why, and its per-step costs (result.json).
+    """
+    from rlep.services.cli.run import policy_tokenizer
+    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.ray_policy import RayPolicy
+    from rlep.services.learner.records import StepRecord
+    from rlep.services.learner.trainer import Trainer
+
+    done = config.checkpoint.dir / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    if config.log_file.exists():
+        config.log_file.unlink()  # an interrupted run starts over
+    model_dir = Path(config.model)
+    records: list = []
+    policy = RayPolicy(model_dir, config)
+    trainer = Trainer(
+        config,
+        model_dir,
+        load_questions(config.data.train_files),
+        policy,
+        stack.services,
+        policy_tokenizer(model_dir, config),
+        eval_questions=load_questions(config.eval.files),
+        on_step=records.append,
+    )
+    plateau = None
+    try:
+        trainer.start()
+        while trainer.step < config.steps and plateau is None:
+            trainer.train_step()
+            curve = [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
+            if stop_at_plateau is not None:
+                plateau = plateau_step(curve, stop_at_plateau.patience, stop_at_plateau.min_delta)
+        if trainer.step < config.steps:
+            trainer.save_checkpoint()
+    finally:
+        trainer.close()
+        policy.close()
+    steps = [r for r in records if isinstance(r, StepRecord)]
+    result = {
+        "run_id": config.run_id,
+        "seed": config.seed,
+        "curve": curve,
+        "steps": trainer.step,
+        "plateau_step": plateau,
+        "step_seconds": [r.step_seconds for r in steps],
+        "sequences": [r.sequences for r in steps],
+        "response_tokens": [r.response_length_mean * r.sequences for r in steps],
+        "replayed_fraction": [r.replayed_fraction for r in steps],
+        "optimizer_steps": steps[-1].optimizer_steps if steps else None,
+    }
+    done.write_text(json.dumps(result))
+    return result
+
+
+def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: str, base: TrainConfig) -> dict:
+    """Phase 1 into `pool` (dropped first) from `checkpoint`; returns the collection's and the pool's figures."""
+    from rlep.services.cli.run import policy_tokenizer
+    from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
+    from rlep.services.learner.data import load_questions
+
+    done = cfg.work_dir / f"pool-{pool}.json"
+    replay = stack.services.replay
+    if done.exists() and pool in replay.list_pools():
+        return json.loads(done.read_text())
+    if pool in replay.list_pools():
+        replay.drop(pool, confirm=pool)
+    push_checkpoint(stack.services.rollout, checkpoint)
+    questions = load_questions(base.data.train_files)
+    config = CollectConfig(
+        samples_per_question=cfg.collect_samples,
+        max_response_tokens=cfg.max_response_tokens,
+        seed=cfg.seeds[0],
+        run_id=f"collect-{pool}",
+    )
+    started = time.perf_counter()
+    stats = collect(
+        stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base), keep_rule=rule
+    )
+    figures = {
+        "rule": rule,
+        "samples_per_question": cfg.collect_samples,
+        "success_rate": stats.success_rate,
+        "questions_kept": stats.questions_kept,
+        "successes_stored": stats.successes_stored,
+        "seconds": time.perf_counter() - started,
+        **pool_figures(replay, pool, questions),
+    }
+    done.write_text(json.dumps(figures))
+    return figures
+
+
+def pool_figures(replay, pool: str, questions) -> dict:
+    """Coverage and diversity of a pool, read back from the replay service (what RLEP can actually draw)."""
+    from dataclasses import asdict
+
+    from rlep.services.eval.compare import pool_diversity
+    from rlep.services.learner.task import make_problem, solution_paths
+
+    texts: dict[str, list[str]] = {}
+    for chunk in replay.export(pool):
+        for t in chunk.trajectories:
+            texts.setdefault(t.question_id, []).append(t.response_text)
+    numbers = {q.question_id: [int(n) for n in q.messages[-1][1].removesuffix("=?").split("+")] for q in questions}
+
+    def path_of(qid: str, text: str) -> str:
+        # A success is the worked solution it equals (EOS and spaces aside); anything else counts on its own.
+        paths = solution_paths(make_problem(numbers[qid]))
+        return next((p for p in paths if p.replace(" ", "") == text.replace(" ", "")), "other:" + text)
+
+    return asdict(pool_diversity(texts, list(numbers), path_of))
+
+
+def copy_pool(replay, source: str, target: str) -> None:
+    """Copies every question and success of `source` into `target` (online replay writes to its pool)."""
+    chunks = list(replay.export(source))
+    for chunk in chunks:
+        chunk.pool = target
+    replay.import_chunks(chunks)
+
+
+def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
+    from rlep.common.ray_local import init_ray
+    from rlep.services.cli.stack import ServiceStack
+    from rlep.services.learner.task import make_problems, write_parquet
+
+    started = time.perf_counter()
+    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    write_parquet(
+        make_problems(cfg.train_questions, 0, "train", cfg.terms, cfg.max_value), cfg.work_dir / "train.parquet"
+    )
+    write_parquet(make_problems(cfg.eval_questions, 0, "eval", cfg.terms, cfg.max_value), cfg.work_dir / "eval.parquet")
+    warm, warm_pass = shared_warmup(cfg)
+    init_ray()
+
+    def config(run_id: str, seed: int, steps: int, pool: str = "protocol-phase1", extra: dict | None = None):
+        return run_config(cfg, run_id, seed, steps, warm, pool, extra or {})
+
+    stack = ServiceStack(config("baseline-s0", 0, cfg.max_steps), warm, app_name="rlep-protocol-rollout")
+    stack.start(need_replay=True)
+    out: dict[str, Any] = {"warmup": {"dir": str(warm), "pass_at_1": warm_pass}, "baseline": {}, "rlep": {}}
+    try:
+        for seed in cfg.seeds:
+            out["baseline"][seed] = train_run(config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg)
+        first = out["baseline"][cfg.seeds[0]]
+        checkpoint = cfg.work_dir / f"baseline-s{cfg.seeds[0]}" / f"step_{first['steps']}" / "hf"
+        base = config("collect", cfg.seeds[0], 1)
+        out["pool"] = collect_pool(cfg, stack, checkpoint, "protocol-phase1", cfg.collect_rule, base)
+        for seed in cfg.seeds:
+            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, out["baseline"][seed]["steps"]), stack, None)
+        if ablations:
+            out["ablations"] = run_ablations(cfg, stack, config, out, checkpoint, base)
+    finally:
+        stack.close()
+    out["wall_seconds"] = time.perf_counter() - started
+    return out
+
+
+def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Path, base: TrainConfig) -> dict:
+    """Each cell: RLEP variant runs for the first `ablation_seeds` seeds, as long as their baselines."""
+    replay = stack.services.replay
+    cells: dict[str, dict] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
+    other_rule = "distinct" if cfg.collect_rule == "correct" else "correct"
+    for name, spec in ABLATIONS.items():
+        runs = {}
+        for seed in cfg.seeds[: cfg.ablation_seeds]:
+            run_id = "abl-" + "".join(c if c.isalnum() else "-" for c in name) + f"-s{seed}"
+            pool = "protocol-phase1"
+            if spec.get("pool") == "phase1-distinct":
+                pool = f"protocol-phase1-{other_rule}"
+                out.setdefault("pool_other_rule", collect_pool(cfg, stack, checkpoint, pool, other_rule, base))
+            elif spec.get("pool") in ("copy", "empty"):
+                pool = f"protocol-{run_id}"
+                if not (cfg.work_dir / run_id / "result.json").exists():  # a fresh pool per run
+                    if pool in replay.list_pools():
+                        replay.drop(pool, confirm=pool)
+                    if spec["pool"] == "copy":
+                        copy_pool(replay, "protocol-phase1", pool)
+            extra = {k: v for k, v in spec.items() if k != "pool"}
+            runs[seed] = train_run(config(run_id, seed, out["baseline"][seed]["steps"], pool, extra), stack, None)
+        cells[name] = {"runs": runs}
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=None, help="YAML over the defaults")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="ProtocolConfig override, key=value")
+    parser.add_argument("--ablations", action="store_true", help="also run the ablation cells")
+    args = parser.parse_args()
+    cfg = load_config(ProtocolConfig, args.config, sets=args.sets, env_prefix="protocol")
+
+    from rlep_protocol_report import report
+
+    raw = run_protocol(cfg, args.ablations)
+    report(cfg, raw)
+
+
+if __name__ == "__main__":
+    main()

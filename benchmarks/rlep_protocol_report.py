@@ -1,0 +1,238 @@
+"""Figures, tables, PNG and JSON of benchmarks/rlep_protocol.py from its runs' results (statistics:
+rlep.services.eval.compare)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rlep.services.eval.compare import curve_auc, paired_bootstrap, peak, steps_to_reach
+
+
+def run_figures(base: dict, rlep: dict) -> dict[str, Any]:
+    """One seed's figures: both arms over the same steps, RLEP measured against this seed's baseline peak."""
+    base_peak_step, base_peak = peak(base["curve"])
+    rlep_peak_step, rlep_peak = peak(rlep["curve"])
+    reached = steps_to_reach(rlep["curve"], base_peak)
+    last = min(base["curve"][-1][0], rlep["curve"][-1][0])
+    return {
+        "baseline_steps": base["steps"],
+        "baseline_plateau_step": base["plateau_step"],
+        "baseline_peak": base_peak,
+        "baseline_peak_step": base_peak_step,
+        "rlep_peak": rlep_peak,
+        "rlep_peak_step": rlep_peak_step,
+        "rlep_steps_to_baseline_peak": reached,
+        "steps_ratio": None if reached is None or base_peak_step == 0 else reached / base_peak_step,
+        "baseline_final": base["curve"][-1][1],
+        "rlep_final": rlep["curve"][-1][1],
+        "baseline_auc": curve_auc(base["curve"], last),
+        "rlep_auc": curve_auc(rlep["curve"], last),
+        "baseline_step_seconds": statistics.mean(base["step_seconds"]),
+        "rlep_step_seconds": statistics.mean(rlep["step_seconds"]),
+        "baseline_tokens_per_step": statistics.mean(base["response_tokens"]),
+        "rlep_tokens_per_step": statistics.mean(rlep["response_tokens"]),
+        "rlep_replayed_fraction": statistics.mean(rlep["replayed_fraction"]),
+    }
+
+
+PAIRED = [  # (label, baseline key, RLEP key)
+    ("peak accuracy", "baseline_peak", "rlep_peak"),
+    ("final accuracy", "baseline_final", "rlep_final"),
+    ("mean accuracy (AUC / steps)", "baseline_auc", "rlep_auc"),
+    ("step time (s)", "baseline_step_seconds", "rlep_step_seconds"),
+    ("response tokens per step (est.)", "baseline_tokens_per_step", "rlep_tokens_per_step"),
+]
+
+
+def paired(per_seed: list[dict]) -> dict[str, dict]:
+    """Paired differences RLEP - baseline with bootstrap intervals; steps to the peak over the seeds that reached it."""
+    out = {}
+    for label, b, r in PAIRED:
+        out[label] = _interval([s[b] for s in per_seed], [s[r] for s in per_seed])
+    reached = [s for s in per_seed if s["rlep_steps_to_baseline_peak"] is not None]
+    out["steps to the baseline's peak"] = _interval(
+        [s["baseline_peak_step"] for s in reached], [s["rlep_steps_to_baseline_peak"] for s in reached]
+    )
+    ratios = [s["steps_ratio"] for s in reached if s["steps_ratio"] is not None]
+    out["RLEP steps / baseline steps to its peak"] = _interval([0.0] * len(ratios), ratios)
+    out["seeds where RLEP reached the baseline's peak"] = {"reached": len(reached), "seeds": len(per_seed)}
+    return out
+
+
+def _interval(baseline: list[float], rlep: list[float]) -> dict:
+    if not baseline:
+        return {"n": 0}
+    ci = paired_bootstrap(rlep, baseline)
+    return {
+        "baseline_mean": statistics.mean(baseline),
+        "rlep_mean": statistics.mean(rlep),
+        "diff": ci.mean,
+        "low": ci.low,
+        "high": ci.high,
+        "n": ci.n,
+        "excludes_zero": ci.excludes_zero(),
+    }
+
+
+def eval_standard_error(cfg, accuracy: float) -> float:
+    """SE of one evaluation at `accuracy`: exact for one sample per question, an upper bound for more
+    (samples of one question are correlated, at worst fully: then the question count alone counts)."""
+    return math.sqrt(accuracy * (1 - accuracy) / cfg.eval_questions)
+
+
+def report(cfg, raw: dict) -> dict:
+    seeds = cfg.seeds
+    per_seed = {s: run_figures(raw["baseline"][s], raw["rlep"][s]) for s in seeds}
+    summary: dict[str, Any] = {
+        "protocol": cfg.model_dump(mode="json"),
+        "warmup": raw["warmup"],
+        "pool": raw["pool"],
+        "per_seed": per_seed,
+        "paired": paired(list(per_seed.values())),
+        "eval_standard_error_at_baseline_peak": eval_standard_error(
+            cfg, statistics.mean(f["baseline_peak"] for f in per_seed.values())
+        ),
+        "wall_seconds": raw["wall_seconds"],
+        "runs": {"baseline": raw["baseline"], "rlep": raw["rlep"]},
+    }
+    if "ablations" in raw:
+        summary["ablations"] = ablation_cells(raw)
+        summary["pool_other_rule"] = raw.get("pool_other_rule")
+    cfg.results.parent.mkdir(parents=True, exist_ok=True)
+    cfg.results.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    plot(raw, seeds, cfg.results.with_suffix(".png"))
+    print_tables(summary, Console(width=200))
+    return summary
+
+
+def ablation_cells(raw: dict) -> dict[str, dict]:
+    cells = {}
+    for name, cell in raw["ablations"].items():
+        if "not_run" in cell:
+            cells[name] = cell
+            continue
+        figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
+        cells[name] = {"seeds": len(figures), **paired(figures)}
+    return cells
+
+
+def mean_band(runs: list[dict]) -> tuple[list[int], list[float], list[float]]:
+    """Steps evaluated by every run, the mean accuracy there, and the SD across runs (0 for one run)."""
+    common = sorted(set.intersection(*({s for s, _ in r["curve"]} for r in runs)))
+    values = [[dict(map(tuple, r["curve"]))[s] for r in runs] for s in common]
+    return common, [statistics.mean(v) for v in values], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+
+
+def plot(raw: dict, seeds: list[int], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for arm, label in (("baseline", "baseline (M=0)"), ("rlep", "RLEP (replay)")):
+        steps, mean, sd = mean_band([raw[arm][s] for s in seeds])
+        ax.plot(steps, mean, marker="o", markersize=3, label=f"{label}, mean of {len(seeds)} seeds")
+        ax.fill_between(
+            steps,
+            [m - d for m, d in zip(mean, sd, strict=True)],
+            [m + d for m, d in zip(mean, sd, strict=True)],
+            alpha=0.2,
+        )
+    peaks = [peak(raw["baseline"][s]["curve"]) for s in seeds]
+    ax.axhline(
+        statistics.mean(a for _, a in peaks), color="grey", linestyle=":", label="baseline peak (mean over seeds)"
+    )
+    ax.set_xlabel("training step (curves end where every seed has an evaluation)")
+    ax.set_ylabel("held-out accuracy (T=1), band = ±1 SD over seeds")
+    ax.set_title("RLEP vs baseline from one shared warm-up model")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _ci(row: dict, digits: int = 3) -> str:
+    if not row.get("n"):
+        return "n/a"
+    star = " *" if row["excludes_zero"] else ""
+    return f"{row['diff']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]{star}"
+
+
+def print_tables(summary: dict, console: Console) -> None:
+    seeds = Table(title="per seed (held-out accuracy at T=1; RLEP runs as many steps as its seed's baseline)")
+    for column in (
+        "seed",
+        "baseline steps (plateau)",
+        "baseline peak (step)",
+        "RLEP reaches it at",
+        "ratio",
+        "RLEP peak (step)",
+        "final B / R",
+        "mean acc B / R",
+    ):
+        seeds.add_column(column, justify="right")
+    for seed, f in summary["per_seed"].items():
+        seeds.add_row(
+            str(seed),
+            f"{f['baseline_steps']} ({f['baseline_plateau_step'] or 'cap'})",
+            f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
+            str(f["rlep_steps_to_baseline_peak"] or "not reached"),
+            _fmt(f["steps_ratio"], 2),
+            f"{f['rlep_peak']:.3f} ({f['rlep_peak_step']})",
+            f"{f['baseline_final']:.3f} / {f['rlep_final']:.3f}",
+            f"{f['baseline_auc']:.3f} / {f['rlep_auc']:.3f}",
+        )
+    console.print(seeds)
+    table = Table(title="paired over seeds: RLEP - baseline, mean [bootstrap 95% CI] (* excludes 0)")
+    for column in ("figure", "baseline", "RLEP", "difference", "n"):
+        table.add_column(column, justify="right")
+    for label, row in summary["paired"].items():
+        if "reached" in row:
+            table.add_row(label, "", "", f"{row['reached']}/{row['seeds']}", "")
+        elif row.get("n"):
+            table.add_row(label, _fmt(row["baseline_mean"]), _fmt(row["rlep_mean"]), _ci(row), str(row["n"]))
+    console.print(table)
+    pool = summary["pool"]
+    console.print(
+        f"pool ({pool['rule']}, N={pool['samples_per_question']}): coverage {pool['coverage']:.1%} of training "
+        f"questions, {pool['successes_per_question']:.2f} distinct successes and {pool['paths_per_question']:.2f} "
+        f"solution paths per pooled question, {pool['multi_path_share']:.1%} with >= 2 paths; collection success "
+        f"rate {pool['success_rate']:.1%}. Eval SE at the baseline peak: "
+        f"{summary['eval_standard_error_at_baseline_peak']:.4f}. Wall time {summary['wall_seconds'] / 60:.1f} min."
+    )
+    if "ablations" in summary:
+        print_ablations(summary["ablations"], console)
+
+
+def print_ablations(cells: dict, console: Console) -> None:
+    table = Table(title="ablations: variant - baseline (same seeds), mean [bootstrap 95% CI]")
+    for column in ("cell", "seeds", "peak", "final", "mean acc", "reached B peak", "steps ratio"):
+        table.add_column(column, justify="right")
+    for name, cell in cells.items():
+        if "not_run" in cell:
+            table.add_row(name, "0", "not run: " + cell["not_run"][:60] + "…", "", "", "", "")
+            continue
+        reach = cell["seeds where RLEP reached the baseline's peak"]
+        ratio = cell["RLEP steps / baseline steps to its peak"]
+        table.add_row(
+            name,
+            str(cell["seeds"]),
+            _ci(cell["peak accuracy"]),
+            _ci(cell["final accuracy"]),
+            _ci(cell["mean accuracy (AUC / steps)"]),
+            f"{reach['reached']}/{reach['seeds']}",
+            _fmt(ratio.get("diff"), 2),
+        )
+    console.print(table)
