@@ -142,39 +142,42 @@ def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, serv
 
     The generated `add_*Servicer_to_server` lets gRPC deserialize requests, and a malformed message
     (e.g. invalid UTF-8 in a string field) then surfaces as INTERNAL. Parsing here turns it into
-    INVALID_ARGUMENT with protobuf's reason, as for any other bad input.
+    INVALID_ARGUMENT with protobuf's reason, as for any other bad input. A servicer may name its own parser
+    for a method in `request_parsers` (bytes -> request, raising DecodeError), e.g. to view a payload uncopied.
     """
     handlers = {}
+    own_parsers = getattr(servicer, "request_parsers", {})
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         behaviour = getattr(servicer, method.name)
+        parse = own_parsers.get(method.name, request_cls.FromString)
         if method.client_streaming:
-            wrapped = _parse_stream(behaviour, request_cls)
+            wrapped = _parse_stream(behaviour, request_cls, parse)
         else:
-            wrapped = _parse_unary(behaviour, request_cls)
+            wrapped = _parse_unary(behaviour, request_cls, parse)
         kind = HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(wrapped, response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _parse_or_abort(request_cls: type, data: bytes, context: grpc.ServicerContext) -> Any:
+def _parse_or_abort(request_cls: type, parse: Callable[[bytes], Any], data: bytes, context) -> Any:
     try:
-        return request_cls.FromString(data)
+        return parse(data)
     except DecodeError as err:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_cls.DESCRIPTOR.full_name}: {err}")
 
 
-def _parse_unary(behaviour: Callable, request_cls: type) -> Callable:
+def _parse_unary(behaviour: Callable, request_cls: type, parse: Callable[[bytes], Any]) -> Callable:
     def handler(data: bytes, context: grpc.ServicerContext) -> Any:
-        return behaviour(_parse_or_abort(request_cls, data, context), context)
+        return behaviour(_parse_or_abort(request_cls, parse, data, context), context)
 
     return handler
 
 
-def _parse_stream(behaviour: Callable, request_cls: type) -> Callable:
+def _parse_stream(behaviour: Callable, request_cls: type, parse: Callable[[bytes], Any]) -> Callable:
     def handler(chunks: Iterable[bytes], context: grpc.ServicerContext) -> Any:
-        return behaviour((_parse_or_abort(request_cls, c, context) for c in chunks), context)
+        return behaviour((_parse_or_abort(request_cls, parse, c, context) for c in chunks), context)
 
     return handler
 

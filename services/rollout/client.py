@@ -21,6 +21,7 @@ from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
 from rlep.services.weights.transport import AutoTransport, StateDictSource, WeightPush, WeightTransport
+from rlep.services.weights.wire import encode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,18 @@ def replica_addresses_on_ray(app_name: str = "rlep-rollout", wait_s: float = 120
     return replica_addresses(app_name, wait_s=wait_s, expect=expect)
 
 
+def rollout_stub(channel: grpc.Channel) -> rollout_pb2_grpc.RolloutStub:
+    """A stub whose UpdateWeights also takes a streamed push's `DataChunk` views, each encoded in one copy
+    (services/weights/wire.py); the bytes on the wire are protobuf's."""
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    stub.UpdateWeights = channel.stream_unary(
+        "/rlep.rollout.v1.Rollout/UpdateWeights",
+        request_serializer=encode_chunk,
+        response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
+    )
+    return stub
+
+
 class RolloutClient:
     def __init__(
         self,
@@ -141,7 +154,7 @@ class RolloutClient:
 
     def _connect(self, address: str) -> Replica:
         channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
-        return Replica(address, rollout_pb2_grpc.RolloutStub(channel))
+        return Replica(address, rollout_stub(channel))
 
     @classmethod
     def from_target(cls, target: ReplicaTarget) -> RolloutClient:

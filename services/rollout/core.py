@@ -213,7 +213,7 @@ class WeightIntake:
             while chunk is not None:
                 if chunk.WhichOneof("kind") != "data":
                     raise WeightError("after the header, send only data chunks (or one shared_file)")
-                data = chunk.data  # each read of a bytes field copies it
+                data = chunk.data  # a view of the received bytes (services/weights/wire.py), or a copy from protobuf
                 written += len(data)
                 if written > total_bytes:
                     raise WeightError(f"more bytes than header.total_bytes ({total_bytes})")

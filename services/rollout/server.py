@@ -33,6 +33,7 @@ from rlep.services.rollout.engine import (
 )
 from rlep.services.rollout.types import Generation
 from rlep.services.weights.payload import WeightError
+from rlep.services.weights.wire import decode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class RolloutMetrics:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    # Data chunks are viewed in the received bytes, not copied through protobuf (services/weights/wire.py).
+    request_parsers = {"UpdateWeights": decode_chunk}
+
     def __init__(self, engine: RolloutEngine, config: RolloutConfig, metrics: RolloutMetrics):
         self._engine, self._config, self._metrics = engine, config, metrics
         self._prompts = PromptEncoder(engine.tokenizer, engine.vocab_size, engine.max_model_len)

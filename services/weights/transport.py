@@ -49,6 +49,7 @@ from rlep.services.weights.payload import (
     write_payload,
 )
 from rlep.services.weights.staging import PUSH_PREFIX, default_staging_dir, staged_file
+from rlep.services.weights.wire import DataChunk
 
 BACKEND_TO_PROTO = {"nccl": rollout_pb2.NCCL, "gloo": rollout_pb2.GLOO}
 # Streamed payload slices: far below gRPC's message limit, large enough that per-message cost is negligible
@@ -64,7 +65,7 @@ StateDictSource = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.T
 class WeightPush:
     """One version's UpdateWeights calls, ready to start."""
 
-    requests: list[Iterator[rollout_pb2.WeightChunk]]
+    requests: list[Iterator[rollout_pb2.WeightChunk | DataChunk]]
     """The message stream of each target replica, in the targets' order."""
     after_start: Callable[[], None] = lambda: None
     """Runs once every call has started (broadcast: the learner's broadcast, which the workers receive inside them)."""
@@ -223,13 +224,16 @@ def shared_file_messages(header: rollout_pb2.WeightHeader, path: str | Path) -> 
     return [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(shared_file=str(path))]
 
 
-def stream_payload(header: rollout_pb2.WeightHeader, payload: Payload | bytes) -> Iterator[rollout_pb2.WeightChunk]:
-    """The header, then the payload's bytes in chunks of at most CHUNK_BYTES (one copy each: proto takes bytes)."""
+def stream_payload(
+    header: rollout_pb2.WeightHeader, payload: Payload | bytes
+) -> Iterator[rollout_pb2.WeightChunk | DataChunk]:
+    """The header, then views of the payload's bytes in chunks of at most CHUNK_BYTES, for a call whose request
+    serializer is `encode_chunk` (services/weights/wire.py: one copy each, into the message's wire bytes)."""
     yield rollout_pb2.WeightChunk(header=header)
     if not isinstance(payload, Payload):
         payload = Payload(b"", [memoryview(payload)])
     for block in payload.blocks(CHUNK_BYTES):
-        yield rollout_pb2.WeightChunk(data=block.tobytes())
+        yield DataChunk(block)
 
 
 def broadcast_messages(

@@ -27,6 +27,7 @@ from rlep.services.weights.transport import (
     shared_file_messages,
     stream_payload,
 )
+from rlep.services.weights.wire import DataChunk
 from tests.metrics_util import scrape, series_value, service_labels
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -243,8 +244,11 @@ def test_unknown_fields_are_refused(rollout, auth_token_file):
 def _push(stub, header: rollout_pb2.WeightHeader, payload: bytes | None = None, shared_file: str | None = None):
     if shared_file is not None:
         messages = iter(shared_file_messages(header, shared_file))
-    else:
-        messages = stream_payload(header, payload)
+    else:  # as a plain protobuf client sends them (RolloutClient's encode_chunk puts the same bytes on the wire)
+        messages = (
+            rollout_pb2.WeightChunk(data=bytes(c.data)) if isinstance(c, DataChunk) else c
+            for c in stream_payload(header, payload)
+        )
     return stub.UpdateWeights(messages, timeout=120)
 
 
