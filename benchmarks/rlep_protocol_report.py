@@ -188,7 +188,7 @@ def print_tables(summary: dict, console: Console) -> None:
             str(seed),
             f"{f['baseline_steps']} ({f['baseline_plateau_step'] or 'cap'})",
             f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
-            str(f["rlep_steps_to_baseline_peak"] or "not reached"),
+            "not reached" if f["rlep_steps_to_baseline_peak"] is None else str(f["rlep_steps_to_baseline_peak"]),
             _fmt(f["steps_ratio"], 2),
             f"{f['rlep_peak']:.3f} ({f['rlep_peak_step']})",
             f"{f['baseline_final']:.3f} / {f['rlep_final']:.3f}",
