@@ -313,7 +313,7 @@ def test_learner_init_container_asks_the_rayservice_head():
     assert "--key=endpoints.rollout" in init["command"]
     [shell, flag, script] = job["containers"][0]["command"]
     assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/run/rlep/train.yaml" in script
-    assert "run=/checkpoints/rlep;" in script and '[ -e "$run/latest" ]' in script, "a retried pod must resume"
+    assert "run='/checkpoints/rlep';" in script and '[ -e "$run/latest" ]' in script, "a retried pod must resume"
     scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["resolve_rollout.py"]
     assert scripts.strip() == (CHART / "files" / "resolve_rollout.py").read_text().strip()
 

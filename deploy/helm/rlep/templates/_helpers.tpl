@@ -309,7 +309,7 @@ spec:
         - sh
         - -c
         - >-
-          run={{ .runDir }};
+          run={{ .runDir | squote }};
           if [ -e "$run/latest" ]; then
           if [ -n "$JOB_UID" ] && [ "$(cat "$run/.job-uid" 2>/dev/null)" = "$JOB_UID" ]; then set -- --resume;
           elif [ "$RLEP_RESUME" = continue ]; then set -- --resume;
