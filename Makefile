@@ -11,6 +11,7 @@ demo: bootstrap
 	$(VENV)/bin/rlep demo
 
 test: bootstrap
+	scripts/system-deps.sh
 	$(VENV)/bin/python -m pytest
 
 lint: bootstrap

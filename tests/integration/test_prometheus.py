@@ -29,7 +29,7 @@ SCRAPE_INTERVAL = "1s"
 def binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} not found: install Debian's `prometheus` package (.ci/run does)")
+        pytest.fail(f"{name} not found: install Debian's `prometheus` package (scripts/system-deps.sh)")
     return path
 
 

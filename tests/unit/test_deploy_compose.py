@@ -26,7 +26,7 @@ TOKEN = "/run/secrets/rlep_auth_token"
 def compose() -> dict:
     binary = shutil.which("docker-compose")
     if binary is None:
-        pytest.fail("docker-compose not found: install Debian's `docker-compose` package (.ci/run does)")
+        pytest.fail("docker-compose not found: install Debian's `docker-compose` package (scripts/system-deps.sh)")
     result = subprocess.run(
         [binary, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
     )

@@ -164,7 +164,7 @@ def test_prometheus_config_scrapes_every_service_with_the_token():
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: install Debian's `prometheus` package (.ci/run does)")
+        pytest.fail("promtool not found: install Debian's `prometheus` package (scripts/system-deps.sh)")
     return path
 
 
