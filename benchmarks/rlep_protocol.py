@@ -242,11 +242,10 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
         max_response_tokens=cfg.max_response_tokens,
         seed=cfg.seeds[0],
         run_id=f"collect-{pool}",
+        keep_rule=rule,
     )
     started = time.perf_counter()
-    stats = collect(
-        stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base), keep_rule=rule
-    )
+    stats = collect(stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base))
     figures = {
         "rule": rule,
         "samples_per_question": cfg.collect_samples,

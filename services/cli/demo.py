@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import Field, SerializationInfo, field_serializer
 
 from rlep.common.config import CONFIG_DIR, StrictModel, deep_merge, load_config
+from rlep.services.eval.compare import peak, steps_to_reach
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.records import LogRecord, StepRecord
 
@@ -101,11 +102,6 @@ def demo_train_config(
     return TrainConfig.model_validate(deep_merge(demo.train.model_dump(exclude_unset=True), run))
 
 
-def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
-    """First step at which an accuracy curve reaches `target` (None if it never does)."""
-    return next((step for step, accuracy in curve if accuracy >= target), None)
-
-
 def summarize(baseline: list[LogRecord], rlep: list[LogRecord]) -> dict:
     def curve(records: list[LogRecord]) -> list[tuple[int, float]]:
         return [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
@@ -115,13 +111,13 @@ def summarize(baseline: list[LogRecord], rlep: list[LogRecord]) -> dict:
         return sum(times) / len(times) if times else 0.0
 
     base_curve, rlep_curve = curve(baseline), curve(rlep)
-    base_peak = max(a for _, a in base_curve)
+    base_peak_step, base_peak = peak(base_curve)
     return {
         "baseline_curve": base_curve,
         "rlep_curve": rlep_curve,
         "baseline_peak": base_peak,
-        "baseline_peak_step": steps_to_reach(base_curve, base_peak),
-        "rlep_peak": max(a for _, a in rlep_curve),
+        "baseline_peak_step": base_peak_step,
+        "rlep_peak": peak(rlep_curve)[1],
         "rlep_steps_to_baseline_peak": steps_to_reach(rlep_curve, base_peak),
         "baseline_final": base_curve[-1][1],
         "rlep_final": rlep_curve[-1][1],

@@ -36,13 +36,12 @@ from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 
 STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
-# How a question's successes are counted against `min_successes`: `distinct` texts (the default: the pool
-# stores a text once, so this is what replay can draw) or every `correct` sample (the paper's rule).
-KeepRule = Literal["distinct", "correct"]
 
 
-def keeps_question(success_texts: list[str], min_successes: int, rule: KeepRule = "distinct") -> bool:
-    """Whether a question with these verified successes goes to the pool."""
+def keeps_question(
+    success_texts: list[str], min_successes: int, rule: Literal["distinct", "correct"] = "distinct"
+) -> bool:
+    """Whether a question with these verified successes goes to the pool (`CollectConfig.keep_rule`)."""
     count = len(set(success_texts)) if rule == "distinct" else len(success_texts)
     return count >= min_successes
 
@@ -82,8 +81,10 @@ def run_settings(
 ) -> dict[str, Any]:
     """Everything that changes what a collection stores, as a JSON-able dict (see the module docstring)."""
     content = json.dumps([[q.question_id, q.messages, q.ground_truth] for q in questions])
+    # The default rule stays out of the settings: states written before `keep_rule` existed keep their fingerprint.
+    default_rule = {"keep_rule"} if config.keep_rule == "distinct" else None
     return {
-        **config.model_dump(mode="json"),
+        **config.model_dump(mode="json", exclude=default_rule),
         "pool": pool,
         "checkpoint": checkpoint_identity(checkpoint),
         "questions": f"{len(questions)} questions, sha256 {hashlib.sha256(content.encode()).hexdigest()}",
@@ -129,19 +130,15 @@ def collect(
     show_progress: bool = True,
     checkpoint: Path | str | None = None,
     tokenizer: PolicyTokenizer | None = None,
-    keep_rule: KeepRule = "distinct",
 ) -> CollectStats:
     """Samples, verifies and stores successes chunk by chunk.
 
     Resumes from `state_file` when it holds a run with the same `run_settings` (the sampled
     `checkpoint` among them); raises StateMismatch when it holds another. With `tokenizer` (the sampled
     policy's), prompts are rendered and left-truncated as in training and successes carry its
-    fingerprint, so a learner with the same tokenizer trains on their ids as sampled. `keep_rule`: see
-    `KeepRule` (part of the settings when not the default).
+    fingerprint, so a learner with the same tokenizer trains on their ids as sampled.
     """
     settings = run_settings(config, questions, pool, checkpoint)
-    if keep_rule != "distinct":
-        settings["keep_rule"] = keep_rule
     stats = load_state(state_file, settings)
     if tokenizer is not None:  # prompt + max_response_tokens must fit every replica's model
         tokenizer.fit_model_length(services.rollout.max_model_len())
@@ -165,7 +162,7 @@ def collect(
             kept=stats.questions_kept,
         )
         for index in range(stats.chunks_done, len(chunks)):
-            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer, keep_rule)
+            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer)
             stats.chunks_done = index + 1
             stats.seconds = time.perf_counter() - started
             if state_file:
@@ -184,7 +181,6 @@ def _collect_chunk(
     index: int,
     stats: CollectStats,
     tokenizer: PolicyTokenizer | None,
-    keep_rule: KeepRule = "distinct",
 ) -> None:
     prompts = [tokenizer.encode_prompt(q.chat()).token_ids if tokenizer else q.chat() for q in chunk]
     completions = services.rollout.generate(
@@ -217,7 +213,7 @@ def _collect_chunk(
         stats.samples += len(completion.samples)
         stats.successes += len(successes)
         # Identical answers are one success in the pool (ids hash the text), whatever the rule counts.
-        if keeps_question([t.response_text for t in successes], config.min_successes, keep_rule):
+        if keeps_question([t.response_text for t in successes], config.min_successes, config.keep_rule):
             stats.questions_kept += 1
             keep.extend(successes)
     if keep:

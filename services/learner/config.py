@@ -191,7 +191,10 @@ class CollectConfig(StrictModel):
     top_p: float = Field(0.95, gt=0, le=1)
     max_response_tokens: int = Field(3072, ge=1)
     min_successes: int = Field(2, ge=1)
-    """Questions with fewer distinct verified successes are left out of the pool (paper: 2)."""
+    """Questions with fewer verified successes (counted by `keep_rule`) are left out of the pool (paper: 2)."""
+    keep_rule: Literal["distinct", "correct"] = "distinct"
+    """How successes count against `min_successes`: `distinct` texts (the pool stores a text once, so this is what
+    replay can draw) or every `correct` sample (the paper's rule)."""
     questions_per_chunk: int = Field(64, ge=1)
     """Questions per generation call; progress is saved after each chunk."""
     seed: int = 0

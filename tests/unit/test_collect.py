@@ -71,6 +71,20 @@ def test_questions_need_k_distinct_successes():
     assert all(t.source == Source.REPLAY and t.verdict == Verdict.CORRECT for t in replay.added)
 
 
+def test_the_papers_rule_counts_every_correct_sample_and_only_it_changes_the_settings():
+    texts = {"q1": ["ok a", "ok b", "no"], "q2": ["ok a", "ok a", "no"], "q3": ["no", "no", "no"]}
+    questions = [Question(q, (("user", q),), "1") for q in texts]
+    replay = Replay()
+    services = ServiceClients(rollout=Rollout(texts), verifier=Verifier(), replay=replay)
+    config = CollectConfig(samples_per_question=3, min_successes=2, keep_rule="correct")
+    stats = collect(services, questions, "p", config, show_progress=False)
+    assert stats.questions_kept == 2  # q2's two identical successes count twice under the paper's rule
+    assert sorted(t.question_id for t in replay.added) == ["q1", "q1", "q2", "q2"]
+    # The default rule leaves the settings (and so older resume states' fingerprints) as they were.
+    assert "keep_rule" not in run_settings(CollectConfig(), questions, "p")
+    assert run_settings(config, questions, "p")["keep_rule"] == "correct"
+
+
 TEXTS = {"q1": ["ok a", "ok b"], "q2": ["ok a", "no"], "q3": ["no", "no"]}
 QUESTIONS = [Question(q, (("user", q),), "1") for q in TEXTS]
 CONFIG = CollectConfig(samples_per_question=2, min_successes=1, questions_per_chunk=2)
@@ -121,7 +135,7 @@ def test_every_setting_and_the_checkpoint_change_the_fingerprint(tmp_path):
     ckpt = checkpoint_dir(tmp_path / "ckpt")
     base = fingerprint(run_settings(CONFIG, QUESTIONS, "p", ckpt))
     changed = {"samples_per_question": 3, "temperature": 0.5, "top_p": 0.5, "max_response_tokens": 7}
-    changed |= {"min_successes": 2, "questions_per_chunk": 1, "seed": 1, "run_id": "x"}
+    changed |= {"min_successes": 2, "keep_rule": "correct", "questions_per_chunk": 1, "seed": 1, "run_id": "x"}
     assert changed.keys() == CollectConfig.model_fields.keys()  # a new field needs a line here
     for field, value in changed.items():
         config = CONFIG.model_copy(update={field: value})
