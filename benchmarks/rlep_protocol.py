@@ -169,49 +169,30 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
 
     Returns the run's curve, where it stopped and why, and its per-step costs (result.json).
     """
-    from rlep.services.cli.run import policy_tokenizer
-    from rlep.services.learner.data import load_questions
-    from rlep.services.learner.ray_policy import RayPolicy
+    from rlep.services.cli.run import run_training
     from rlep.services.learner.records import StepRecord
-    from rlep.services.learner.trainer import Trainer
 
     done = config.checkpoint.dir / "result.json"
     if done.exists():
         return json.loads(done.read_text())
     if config.log_file.exists():
         config.log_file.unlink()  # an interrupted run starts over
-    model_dir = Path(config.model)
     records: list = []
-    policy = RayPolicy(model_dir, config)
-    trainer = Trainer(
-        config,
-        model_dir,
-        load_questions(config.data.train_files),
-        policy,
-        stack.services,
-        policy_tokenizer(model_dir, config),
-        eval_questions=load_questions(config.eval.files),
-        on_step=records.append,
-    )
-    plateau = None
-    try:
-        trainer.start()
-        while trainer.step < config.steps and plateau is None:
-            trainer.train_step()
-            curve = [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
-            if stop_at_plateau is not None:
-                plateau = plateau_step(curve, stop_at_plateau.patience, stop_at_plateau.min_delta)
-        if trainer.step < config.steps:
-            trainer.save_checkpoint()
-    finally:
-        trainer.close()
-        policy.close()
+
+    def curve() -> list[tuple[int, float]]:
+        return [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
+
+    def plateaued() -> bool:
+        return plateau_step(curve(), stop_at_plateau.patience, stop_at_plateau.min_delta) is not None
+
+    run_training(config, stack=stack, on_step=records.append, stop_when=plateaued if stop_at_plateau else None)
+    plateau = plateau_step(curve(), stop_at_plateau.patience, stop_at_plateau.min_delta) if stop_at_plateau else None
     steps = [r for r in records if isinstance(r, StepRecord)]
     result = {
         "run_id": config.run_id,
         "seed": config.seed,
-        "curve": curve,
-        "steps": trainer.step,
+        "curve": curve(),
+        "steps": len(steps),
         "plateau_step": plateau,
         "step_seconds": [r.step_seconds for r in steps],
         "sequences": [r.sequences for r in steps],

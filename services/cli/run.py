@@ -32,10 +32,12 @@ def run_training(
     stack: ServiceStack | None = None,
     on_step: Callable[[LogRecord], None] | None = None,
     show_progress: bool = True,
+    stop_when: Callable[[], bool] | None = None,
 ) -> list[StepRecord]:
     """Runs `config.steps` steps (from the latest checkpoint with `resume`); returns the step records.
 
-    Pass a started `stack` to share services between runs (the demo's three phases do).
+    Pass a started `stack` to share services between runs (the demo's three phases do). `stop_when`, asked
+    after every step, ends the run early (e.g. at a plateau); the run then saves a checkpoint of where it stopped.
     """
     from rlep.common.tiny_model import resolve_model
 
@@ -82,6 +84,10 @@ def run_training(
                 if record.eval_accuracy is not None:
                     status += f" eval {record.eval_accuracy:.2f}"
                 progress.update(task, completed=trainer.step, status=status)
+                if stop_when is not None and trainer.step < config.steps and stop_when():
+                    if config.checkpoint.dir:
+                        trainer.save_checkpoint()
+                    break
         return records
     finally:
         if trainer is not None:
