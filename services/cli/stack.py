@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlep.common.files import read_token_file
 from rlep.common.ports import free_port
@@ -95,7 +96,10 @@ class ServiceStack:
         return self.services
 
     def _start_actor(self, kind: str, config: dict) -> str:
-        actor = ServiceActor.remote(kind, config)
+        # On this (the driver's) node: a cluster that loses a worker node keeps its verifier and its replay pool
+        # (whose embedded Redis keeps its files on this machine).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ServiceActor.options(scheduling_strategy=here).remote(kind, config)
         self._actors[kind] = actor
         return ray.get(actor.address.remote())
 
@@ -110,7 +114,7 @@ class ServiceStack:
         config = RolloutConfig(engine=engine, server=auth or {})
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         serve.run(
-            build_app(config, local.rollout_replicas, self.app_name, local.rollout_cpus),
+            build_app(config, local.rollout_replicas, self.app_name, local.rollout_cpus, local.rollout_max_per_node),
             name=self.app_name,
             route_prefix=None,
         )

@@ -150,6 +150,8 @@ class LocalServicesConfig(StrictModel):
     rollout_replicas: int = Field(1, ge=1)
     rollout_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per rollout replica."""
+    rollout_max_per_node: int | None = Field(None, ge=1)
+    """At most this many replicas on one Ray node (1 spreads them over the nodes); None = Ray's choice."""
     rollout_engine: EngineConfig = EngineConfig()
     """vLLM arguments of the replicas; `model` is replaced by the run's starting checkpoint."""
     verifier_workers: int = Field(1, ge=1)

@@ -48,9 +48,19 @@ class ReplicaRegistry:
         return dict(self._addresses)
 
 
+# Ray's resource of the head node: the registry lives there, so losing a worker node (and its replicas) never
+# loses the other replicas' registrations (Ray Train pins its state actor the same way).
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
 def registry(app_name: str):
     return ReplicaRegistry.options(
-        name=f"{app_name}-registry", namespace=REGISTRY_NAMESPACE, get_if_exists=True, lifetime="detached"
+        name=f"{app_name}-registry",
+        namespace=REGISTRY_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        resources=HEAD_NODE,
+        scheduling_strategy="DEFAULT",  # not inside the creating replica's placement group
     ).remote()
 
 
@@ -131,18 +141,27 @@ def bind_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def build_app(config: RolloutConfig, num_replicas: int = 1, app_name: str = "rlep-rollout", num_cpus: float = 1.0):
-    """A Serve application of `num_replicas` rollout replicas (pass it to `serve.run`)."""
-    return RolloutReplica.options(num_replicas=num_replicas, ray_actor_options={"num_cpus": num_cpus}).bind(
-        config.model_dump(mode="json"), app_name
-    )
+def build_app(
+    config: RolloutConfig,
+    num_replicas: int = 1,
+    app_name: str = "rlep-rollout",
+    num_cpus: float = 1.0,
+    max_per_node: int | None = None,
+):
+    """A Serve application of `num_replicas` rollout replicas (pass it to `serve.run`); `max_per_node` spreads
+    them over the cluster's nodes (1: one engine per node/GPU host)."""
+    options: dict[str, Any] = {"num_replicas": num_replicas, "ray_actor_options": {"num_cpus": num_cpus}}
+    if max_per_node is not None:
+        options["max_replicas_per_node"] = max_per_node
+    return RolloutReplica.options(**options).bind(config.model_dump(mode="json"), app_name)
 
 
 def app_builder(args: dict[str, Any]):
-    """Entry point for `serve deploy` / `serve run`: args = {config: {...}, num_replicas, app_name, num_cpus}."""
+    """Entry point for `serve deploy` / `serve run`: args = {config, num_replicas, app_name, num_cpus, max_per_node}."""
     return build_app(
         load_config(RolloutConfig, args.get("config", {}), env_prefix="rollout"),
         num_replicas=int(args.get("num_replicas", 1)),
         app_name=str(args.get("app_name", "rlep-rollout")),
         num_cpus=float(args.get("num_cpus", 1.0)),
+        max_per_node=int(args["max_per_node"]) if args.get("max_per_node") else None,
     )
