@@ -41,6 +41,11 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rlep_learner_groups_dropped_stale",
         "Fresh groups dropped last step for being staler than algorithm.max_staleness",
     ),
+    "rollout_replicas": ("rlep_learner_rollout_replicas", "Rollout replicas serving at the end of the last step"),
+    "rollout_failovers": (
+        "rlep_learner_rollout_failovers",
+        "Generation shards retried on another replica since the run started (a replica failed mid-request)",
+    ),
     "advantage_mean": ("rlep_learner_advantage_mean", "Mean advantage over the step's responses"),
     "advantage_std": ("rlep_learner_advantage_std", "Std of the advantages over the step's responses"),
     "clip_fraction": ("rlep_learner_clip_fraction", "Fraction of tokens whose ratio was clipped"),

@@ -68,6 +68,10 @@ class StepRecord:
     policy_staleness_mean: float = 0.0
     groups_dropped_stale: int = 0
     """Fresh groups left out because a sample was staler than `algorithm.max_staleness`."""
+    rollout_replicas: int = 0
+    """Rollout replicas serving at the end of the step (fewer than deployed: some are down or rejoining)."""
+    rollout_failovers: int = 0
+    """Generation shards retried on another replica since the run started (a replica failed mid-request)."""
     eval_accuracy: float | None = None
     """Held-out accuracy after this step; None (and absent from the log) on steps without an evaluation."""
 

@@ -282,6 +282,8 @@ class Trainer:
             policy_staleness_max=staleness.max,
             policy_staleness_mean=staleness.mean,
             groups_dropped_stale=stale_groups,
+            rollout_replicas=len(self.services.rollout.serving()),
+            rollout_failovers=self.services.rollout.failovers,
             eval_accuracy=eval_accuracy,
         )
 

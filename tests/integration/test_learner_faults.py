@@ -94,6 +94,8 @@ def test_rollout_replica_killed_mid_step(fault_setup):
     second = trainer.train_step()
     assert victim_replica.stub.killed.is_set(), "the step sent no shard to the victim"
     assert client.failovers > failovers, "no shard was retried on the other replica"
+    assert second.rollout_failovers == client.failovers > first.rollout_failovers  # the step record says so
+    assert first.rollout_replicas == 2 and second.rollout_replicas == 1  # the dead one is out of service
     assert second.step == first.step + 1
     assert second.sequences == 8 * (8 + 2)  # nothing lost: every question got all G fresh samples
 
@@ -105,7 +107,8 @@ def test_rollout_replica_killed_mid_step(fault_setup):
             break
     else:
         pytest.fail("the killed rollout replica did not come back within 300 s")
-    trainer.train_step()
+    back = trainer.train_step()
+    assert back.rollout_replicas == 2
     assert trainer.services.rollout.versions() == [trainer.version, trainer.version]
     assert record.sequences == 80
 

@@ -92,6 +92,11 @@ class ScriptedRollout:
 
     def set_serving(self, replicas) -> None: ...
 
+    def serving(self) -> list:
+        return ["scripted"]
+
+    failovers = 0
+
 
 class RecordingPolicy:
     """Stands in for DeepSpeed: old logprobs are zeros, `update` records the batch it is given."""

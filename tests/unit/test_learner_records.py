@@ -20,6 +20,8 @@ STEP_KEYS = [
     "sequences", "prompts_truncated", "generation_rounds", "questions_generated", "groups_filtered",
     "step_seconds", "phase_seconds", "question_ids", "policy_staleness_max", "policy_staleness_mean",
     "groups_dropped_stale",
+    "rollout_replicas",
+    "rollout_failovers",
 ]  # fmt: skip
 
 
