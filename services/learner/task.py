@@ -117,21 +117,23 @@ def is_correct(response: str, problem: Problem) -> bool:
     return answer is not None and answer.strip() == problem.answer
 
 
-def write_parquet(problems: Sequence[Problem], path: Path | str) -> Path:
+def write_parquet(problems: Sequence[Problem], path: Path | str, with_candidates: bool = False) -> Path:
     """Writes `problems` as verl/DAPO parquet: prompt, reward_model, data_source, ability, extra_info.
 
     `extra_info` holds the row index and the problem's split; the question id the services use is
-    `rlep.common.dataset.question_id(prompt)`.
+    `rlep.common.dataset.question_id(prompt)`. `with_candidates` adds every worked solution as
+    `reward_model.candidates`: RLEP's released pool format, which `rlep train` imports into its replay pool.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    candidates = [("candidates", pa.list_(pa.string()))] if with_candidates else []
     schema = pa.schema(
         [
             ("data_source", pa.string()),
             ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
             ("ability", pa.string()),
-            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string()), *candidates])),
             ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string())])),
         ]
     )
@@ -140,7 +142,8 @@ def write_parquet(problems: Sequence[Problem], path: Path | str) -> Path:
             "data_source": DATA_SOURCE,
             "prompt": problem_messages(p),
             "ability": "arithmetic",
-            "reward_model": {"ground_truth": p.answer, "style": "rule"},
+            "reward_model": {"ground_truth": p.answer, "style": "rule"}
+            | ({"candidates": solution_paths(p)} if with_candidates else {}),
             "extra_info": {"index": i, "split": split_of(operands(p))},
         }
         for i, p in enumerate(problems)

@@ -94,3 +94,21 @@ def test_parquet_has_the_verl_schema_and_imports_as_replay_questions(tmp_path):
     questions = [q for chunk in chunks for q in chunk.questions]
     assert [q.question_id for q in questions] == [question_id(problem_messages(p)) for p in problems]
     assert [q.ground_truth for q in questions] == [p.answer for p in problems]
+
+
+def test_parquet_with_candidates_seeds_a_pool_with_every_worked_solution(tmp_path):
+    from rlep.common.pool_parquet import read_pool_rows
+    from rlep.services.learner.pool_seed import has_candidates
+
+    problems = make_problems(8, seed=1, split="train")
+    plain = write_parquet(problems, tmp_path / "plain.parquet")
+    seeded = write_parquet(problems, tmp_path / "seeded.parquet", with_candidates=True)
+    assert not has_candidates(plain) and has_candidates(seeded)
+    trajectories = [t for chunk in read_pool_rows(seeded, pool="p") for t in chunk.trajectories]
+    by_question = {}
+    for t in trajectories:
+        by_question.setdefault(t.question_id, []).append(t.response_text)
+    for problem in problems:
+        texts = by_question[question_id(problem_messages(problem))]
+        assert texts == solution_paths(problem) and len(texts) > 1
+        assert all(is_correct(text, problem) for text in texts)
