@@ -46,3 +46,16 @@ def test_eval_reads_rollout_addresses_from_the_rollout_apps_registry():
     assert apps["rlep-eval"].args["rollout_app"] == apps["rlep-rollout"].args["app_name"]
     verifier = apps["rlep-verifier"].args["config"]["server"]
     assert apps["rlep-eval"].args["config"]["verifier"]["address"] == f"{verifier['host']}:{verifier['port']}"
+
+
+def test_rollout_replicas_spread_over_nodes_when_asked():
+    """`local.rollout_max_per_node` (and serve.yaml's `max_per_node`) reach Serve as max_replicas_per_node."""
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import app_builder, build_app
+
+    def per_node(app) -> int | None:
+        return app._bound_deployment._replica_config.max_replicas_per_node  # what Serve's scheduler reads
+
+    assert per_node(build_app(RolloutConfig(), num_replicas=2, max_per_node=1)) == 1
+    assert per_node(build_app(RolloutConfig(), num_replicas=2)) is None
+    assert per_node(app_builder({"num_replicas": 2, "max_per_node": 1})) == 1
