@@ -43,14 +43,15 @@ from rlep.services.learner.config import TrainConfig  # noqa: E402
 # Every ablation cell: RLEP with these TrainConfig.algorithm values (and a pool) for `ablation_seeds` seeds.
 # `pool`: "phase1" (the protocol's), "phase1-distinct" (collected with >= 2 distinct), "copy" (a per-run
 # copy of phase1, since online replay writes to it), "empty" (a per-run empty pool).
+# In the order they run: the ones that decide a user's defaults (M, online replay) first.
 ABLATIONS: dict[str, dict[str, Any]] = {
-    "strategy=recency": {"algorithm": {"replay_strategy": "recency"}},
-    "strategy=prioritized": {"algorithm": {"replay_strategy": "prioritized"}},
-    "strategy=diverse": {"algorithm": {"replay_strategy": "diverse"}},
     "M=1": {"algorithm": {"replayed_per_question": 1}},
     "M=4": {"algorithm": {"replayed_per_question": 4}},
     "online replay + phase-1 pool": {"algorithm": {"online_replay": True}, "pool": "copy"},
     "online replay, no phase-1 pool": {"algorithm": {"online_replay": True}, "pool": "empty"},
+    "strategy=diverse": {"algorithm": {"replay_strategy": "diverse"}},
+    "strategy=recency": {"algorithm": {"replay_strategy": "recency"}},
+    "strategy=prioritized": {"algorithm": {"replay_strategy": "prioritized"}},
     "collect rule >= 2 distinct": {"pool": "phase1-distinct"},
 }
 NOT_RUNNABLE = {
@@ -99,11 +100,15 @@ class ProtocolConfig(StrictModel):
     """Keep questions with >= 2 correct samples (the paper) or >= 2 distinct correct texts."""
     ablation_seeds: int = Field(2, ge=1)
     """Seeds per ablation cell (the first ones of `seeds`)."""
+    ablation_cells: list[str] | None = None
+    """The cells to run (names of ABLATIONS); None = all. Cells left out are reported as not run."""
     train: dict[str, Any] = {}
     """TrainConfig values every run shares beyond the above (default: configs/demo.yaml's `train`)."""
 
     @model_validator(mode="after")
     def _evaluated_at_cap(self) -> ProtocolConfig:
+        if unknown := set(self.ablation_cells or []) - set(ABLATIONS):
+            raise ValueError(f"unknown ablation cells {sorted(unknown)}; choose from {sorted(ABLATIONS)}")
         if self.max_steps % self.eval_every:
             raise ValueError("max_steps must be a multiple of eval_every (a run stops at an evaluation)")
         if self.questions_per_step % self.mini_batch_questions:
@@ -312,6 +317,9 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
     cells: dict[str, dict] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
     other_rule = "distinct" if cfg.collect_rule == "correct" else "correct"
     for name, spec in ABLATIONS.items():
+        if cfg.ablation_cells is not None and name not in cfg.ablation_cells:
+            cells[name] = {"not_run": "left out of this run's budget (ablation_cells)"}
+            continue
         runs = {}
         for seed in cfg.seeds[: cfg.ablation_seeds]:
             run_id = "abl-" + "".join(c if c.isalnum() else "-" for c in name) + f"-s{seed}"
