@@ -297,13 +297,16 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
     stack.start(need_replay=True)
     out: dict[str, Any] = {"warmup": {"dir": str(warm), "pass_at_1": warm_pass}, "baseline": {}, "rlep": {}}
     try:
-        for seed in cfg.seeds:
-            out["baseline"][seed] = train_run(config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg)
-        first = out["baseline"][cfg.seeds[0]]
-        checkpoint = cfg.work_dir / f"baseline-s{cfg.seeds[0]}" / f"step_{first['steps']}" / "hf"
-        base = config("collect", cfg.seeds[0], 1)
+        # The first seed's baseline and the pool, then both arms seed by seed: whatever time allows ends in
+        # complete pairs (a rerun reuses finished runs).
+        first = cfg.seeds[0]
+        out["baseline"][first] = train_run(config(f"baseline-s{first}", first, cfg.max_steps), stack, cfg)
+        checkpoint = cfg.work_dir / f"baseline-s{first}" / f"step_{out['baseline'][first]['steps']}" / "hf"
+        base = config("collect", first, 1)
         out["pool"] = collect_pool(cfg, stack, checkpoint, "protocol-phase1", cfg.collect_rule, base)
         for seed in cfg.seeds:
+            if seed != first:
+                out["baseline"][seed] = train_run(config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg)
             out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, out["baseline"][seed]["steps"]), stack, None)
         if ablations:
             out["ablations"] = run_ablations(cfg, stack, config, out, checkpoint, base)
