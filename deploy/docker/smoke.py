@@ -37,7 +37,9 @@ PORTS = [50061, 50062, 50063, 9461, 9462, 9463, 9464, 8080, 9090]
 JOBS = {"rlep-verifier", "rlep-replay", "rlep-rollout", "rlep-eval", "rlep-learner"}
 TOKEN_FILE = ROOT / "deploy/docker/secrets/auth-token"
 POOL = "smoke"
-FIRST_STEPS, TOTAL_STEPS = 3, 8
+# The learner serves /metrics only once its steps begin (after ~4 min of set-up here), and Prometheus scrapes
+# every 15 s: 15 steps (~3 s each with these sizes) keep its target up across a few scrapes.
+FIRST_STEPS, TOTAL_STEPS = 15, 25
 # rollout's first start builds the tiny model and compiles vLLM's CPU sampler (its start_period is 300 s);
 # on a loaded 2-core host that took minutes, so every wait is generous but finite.
 HEALTHY_TIMEOUT_S = 900
@@ -125,8 +127,10 @@ def wait_healthy(services: list[str]) -> float:
 
 
 def up() -> None:
-    compose("up", "-d", "--no-build", *STACK)
-    waited = wait_healthy(STACK)
+    start = time.monotonic()
+    compose("up", "-d", "--no-build", *STACK, timeout_s=HEALTHY_TIMEOUT_S)  # waits for depends_on's health
+    wait_healthy(STACK)
+    waited = time.monotonic() - start
     # The image's health-check script, called as compose calls it, answering by hand.
     compose("exec", "-T", "verifier", "python", "/opt/rlep/healthcheck.py", "grpc", "127.0.0.1:50061")
     compose("exec", "-T", "eval", "python", "/opt/rlep/healthcheck.py", "http", "http://127.0.0.1:8080/healthz")
@@ -247,9 +251,11 @@ def crash_replay_mid_run(log: Path) -> None:
     try:
         wait_learner(process, log, watch_scrapes=False)
         say("fault: the learner carried on through replay's restart")
-    except SystemExit as err:
-        say(f"fault: the learner stopped ({str(err)[:300]}...); resuming from its checkpoint")
-        wait_learner(start_learner(TOTAL_STEPS, resume=True, log=log), log, watch_scrapes=False)
+    except SystemExit:
+        error = [line for line in log.read_text().splitlines() if line.strip()][-1:]
+        say(f"fault: the learner stopped at step {learner_log_steps()[-1]} ({error}); resuming from its checkpoint")
+        retry = log.with_suffix(".retry.log")  # the first log keeps the failure
+        wait_learner(start_learner(TOTAL_STEPS, resume=True, log=retry), retry, watch_scrapes=False)
     now = int(inspect(replay, "{{.RestartCount}}"))
     if now != restarts + 1:
         fail(f"replay restarted {now - restarts} times, expected 1")
