@@ -157,8 +157,9 @@ def run_config(
     return TrainConfig.model_validate(settings)
 
 
-def shared_warmup(cfg: ProtocolConfig) -> tuple[Path, float | None]:
-    """The one warm-up checkpoint of the protocol, under ~/.cache/rlep/warmup/<key of its settings>/."""
+def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float | None]:
+    """The one warm-up checkpoint of the protocol, under ~/.cache/rlep/warmup/<key of its settings>/ (built when
+    missing, if `build`), and its pass@1."""
     from rlep.common.tiny_model import cached_model
     from rlep.services.learner.warmup import RESULT_FILE, WarmupConfig, warmup
 
@@ -167,6 +168,8 @@ def shared_warmup(cfg: ProtocolConfig) -> tuple[Path, float | None]:
     key = json.dumps([base.name, cfg.warmup_steps, cfg.warmup_seed, config.model_dump(mode="json")], sort_keys=True)
     out = Path.home() / ".cache" / "rlep" / "warmup" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if not (out / RESULT_FILE).exists():
+        if not build:
+            return out, None
         warmup(base, out, cfg.warmup_steps, seed=cfg.warmup_seed, config=config)
     return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
 
@@ -185,6 +188,7 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
     if config.log_file.exists():
         config.log_file.unlink()  # an interrupted run starts over
     records: list = []
+    started = time.perf_counter()
 
     def curve() -> list[tuple[int, float]]:
         return [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
@@ -206,6 +210,7 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         "response_tokens": [r.response_length_mean * r.sequences for r in steps],
         "replayed_fraction": [r.replayed_fraction for r in steps],
         "optimizer_steps": steps[-1].optimizer_steps if steps else None,
+        "wall_seconds": time.perf_counter() - started,
     }
     done.write_text(json.dumps(result))
     return result
@@ -345,17 +350,47 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
     return cells
 
 
+def finished_runs(cfg: ProtocolConfig) -> tuple[ProtocolConfig, dict]:
+    """The results of the runs already done, as run_protocol returns them, without starting anything: what
+    `--report-only` reports. Returns `cfg` narrowed to the seeds whose two arms have both finished."""
+
+    def result(run_id: str) -> dict | None:
+        path = cfg.work_dir / run_id / "result.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    seeds = [s for s in cfg.seeds if result(f"baseline-s{s}") and result(f"rlep-s{s}")]
+    if not seeds:
+        raise SystemExit(f"no seed has both arms finished under {cfg.work_dir}")
+    cfg = cfg.model_copy(update={"seeds": seeds})
+    warm, warm_pass = shared_warmup(cfg, build=False)
+    out: dict[str, Any] = {
+        "warmup": {"dir": str(warm), "pass_at_1": warm_pass},
+        "baseline": {s: result(f"baseline-s{s}") for s in seeds},
+        "rlep": {s: result(f"rlep-s{s}") for s in seeds},
+        "pool": json.loads((cfg.work_dir / "pool-protocol-phase1.json").read_text()),
+    }
+    runs = [*out["baseline"].values(), *out["rlep"].values()]
+    # Runs finished before runs recorded their wall time have none: the total is then unknown.
+    walls = [r.get("wall_seconds") for r in runs] + [out["pool"].get("seconds")]
+    out["wall_seconds"] = sum(walls) if None not in walls else None
+    return cfg, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help="YAML over the defaults")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="ProtocolConfig override, key=value")
     parser.add_argument("--ablations", action="store_true", help="also run the ablation cells")
+    parser.add_argument("--report-only", action="store_true", help="report the seeds finished so far; run nothing")
     args = parser.parse_args()
     cfg = load_config(ProtocolConfig, args.config, sets=args.sets, env_prefix="protocol")
 
     from rlep_protocol_report import report
 
-    raw = run_protocol(cfg, args.ablations)
+    if args.report_only:
+        cfg, raw = finished_runs(cfg)
+    else:
+        raw = run_protocol(cfg, args.ablations)
     report(cfg, raw)
 
 

@@ -210,7 +210,8 @@ def print_tables(summary: dict, console: Console) -> None:
         f"questions, {pool['successes_per_question']:.2f} distinct successes and {pool['paths_per_question']:.2f} "
         f"solution paths per pooled question, {pool['multi_path_share']:.1%} with >= 2 paths; collection success "
         f"rate {pool['success_rate']:.1%}. Eval SE at the baseline peak: "
-        f"{summary['eval_standard_error_at_baseline_peak']:.4f}. Wall time {summary['wall_seconds'] / 60:.1f} min."
+        f"{summary['eval_standard_error_at_baseline_peak']:.4f}. Wall time "
+        + (f"{summary['wall_seconds'] / 60:.1f} min." if summary["wall_seconds"] else "not recorded.")
     )
     if "ablations" in summary:
         print_ablations(summary["ablations"], console)
