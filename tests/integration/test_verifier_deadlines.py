@@ -123,7 +123,9 @@ def test_work_of_an_abandoned_call_stops(limited_verifier, stub, ending):
     ended = {
         code: _requests(limited_verifier, code) for code in ("CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
     }
-    future = stub.Verify.future(big_request(), timeout=60 if ending == "client cancels" else 0.5)
+    # 1.0 s: under the server's 1.5-s limit (the call must end for the caller's reason), and enough for the server to
+    # start the work first (with 0.5 s a loaded 2-core host once dropped the call before any item reached the worker).
+    future = stub.Verify.future(big_request(), timeout=60 if ending == "client cancels" else 1.0)
     assert pool.wait_busy(0, timeout_s=30)  # the big call's items are being checked
     if ending == "client cancels":
         future.cancel()
