@@ -193,18 +193,18 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
     def curve() -> list[tuple[int, float]]:
         return [(r.step, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
 
-    def plateaued() -> bool:
-        return plateau_step(curve(), stop_at_plateau.patience, stop_at_plateau.min_delta) is not None
+    def plateau() -> int | None:
+        return plateau_step(curve(), stop_at_plateau.patience, stop_at_plateau.min_delta)
 
-    run_training(config, stack=stack, on_step=records.append, stop_when=plateaued if stop_at_plateau else None)
-    plateau = plateau_step(curve(), stop_at_plateau.patience, stop_at_plateau.min_delta) if stop_at_plateau else None
+    stop_when = (lambda: plateau() is not None) if stop_at_plateau else None
+    run_training(config, stack=stack, on_step=records.append, stop_when=stop_when)
     steps = [r for r in records if isinstance(r, StepRecord)]
     result = {
         "run_id": config.run_id,
         "seed": config.seed,
         "curve": curve(),
         "steps": len(steps),
-        "plateau_step": plateau,
+        "plateau_step": plateau() if stop_at_plateau else None,
         "step_seconds": [r.step_seconds for r in steps],
         "sequences": [r.sequences for r in steps],
         "response_tokens": [r.response_length_mean * r.sequences for r in steps],
@@ -358,15 +358,15 @@ def finished_runs(cfg: ProtocolConfig) -> tuple[ProtocolConfig, dict]:
         path = cfg.work_dir / run_id / "result.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    seeds = [s for s in cfg.seeds if result(f"baseline-s{s}") and result(f"rlep-s{s}")]
+    arms = {arm: {s: result(f"{arm}-s{s}") for s in cfg.seeds} for arm in ("baseline", "rlep")}
+    seeds = [s for s in cfg.seeds if arms["baseline"][s] and arms["rlep"][s]]
     if not seeds:
         raise SystemExit(f"no seed has both arms finished under {cfg.work_dir}")
     cfg = cfg.model_copy(update={"seeds": seeds})
     warm, warm_pass = shared_warmup(cfg, build=False)
     out: dict[str, Any] = {
         "warmup": {"dir": str(warm), "pass_at_1": warm_pass},
-        "baseline": {s: result(f"baseline-s{s}") for s in seeds},
-        "rlep": {s: result(f"rlep-s{s}") for s in seeds},
+        **{arm: {s: runs[s] for s in seeds} for arm, runs in arms.items()},
         "pool": json.loads((cfg.work_dir / "pool-protocol-phase1.json").read_text()),
     }
     runs = [*out["baseline"].values(), *out["rlep"].values()]
