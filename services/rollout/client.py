@@ -12,14 +12,14 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from rlep.common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlep.services.rollout.types import Completion, SampleOut, Sampling
+from rlep.services.rollout.types import Completion, SampleOut, Sampling, shard_seed
 from rlep.services.weights.transport import AutoTransport, StateDictSource, WeightPush, WeightTransport
 from rlep.services.weights.wire import encode_chunk
 
@@ -221,11 +221,12 @@ class RolloutClient:
         for whole in split_evenly(len(protos), len(replicas)):
             for start in range(whole.start, whole.stop, self._max_prompts_per_call):
                 shards.append(range(start, min(start + self._max_prompts_per_call, whole.stop)))
-        options = sampling_to_proto(sampling)
-        futures = [
-            self._pool.submit(self._generate_shard, replicas, protos[s.start : s.stop], options, i % len(replicas))
-            for i, s in enumerate(shards)
-        ]
+
+        def shard(i: int, prompts: range):
+            options = sampling_to_proto(replace(sampling, seed=shard_seed(sampling.seed, prompts.start)))
+            return self._pool.submit(self._generate_shard, replicas, protos[prompts.start : prompts.stop], options, i)
+
+        futures = [shard(i % len(replicas), s) for i, s in enumerate(shards)]
         out: list[Completion] = []
         for future in futures:
             out.extend(future.result())

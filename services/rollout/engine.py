@@ -28,8 +28,13 @@ from pathlib import Path
 
 from rlep.common.types import FinishReason
 from rlep.services.rollout.config import EngineConfig
-from rlep.services.rollout.types import Generation, SampleOut, Sampling
-from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm, weight_reload_problem
+from rlep.services.rollout.types import Generation, SampleOut, Sampling, prompt_seed
+from rlep.services.rollout.vllm_args import (
+    engine_kwargs,
+    sampling_params,
+    shutdown_llm,
+    weight_reload_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +320,15 @@ class RolloutEngine:
         """Adds one job's prompts to vLLM; if vLLM refuses one, the job's others are taken back."""
         from vllm.inputs import TokensPrompt
 
-        engine, ids = self._llm.llm_engine, []
+        engine, ids, seed = self._llm.llm_engine, [], job.params.seed
         try:
-            for prompt in job.prompts:
+            for index, prompt in enumerate(job.prompts):
                 request_id = str(next(self._request_ids))
-                engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), job.params)
+                params = job.params
+                if seed is not None:  # each prompt its own random stream (prompt_seed says why)
+                    params = job.params.clone()
+                    params.seed = prompt_seed(seed, index)
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
                 ids.append(request_id)
         except Exception:
             if ids:

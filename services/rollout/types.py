@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from rlep.common.types import FinishReason
@@ -21,6 +22,26 @@ def greedy_problem(n: int, temperature: float) -> str | None:
             f"(got n={n}, temperature={temperature:g}; below {GREEDY_BELOW:g} vLLM samples greedily)"
         )
     return None
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed vLLM gets for the `index`-th prompt of a request seeded with `seed`.
+
+    vLLM seeds each request's sampler with its own `seed` (and child i of an n > 1 request with seed + i), so a
+    seed shared by every prompt of a batch gives them all the same random numbers: their samples are correlated
+    (identical prompts get identical samples), and an accuracy over Q prompts varies far more than
+    sqrt(p(1-p)/Q). A hash of (seed, index) gives each prompt its own stream, still reproducible from the seed;
+    62 bits leave room for vLLM's seed + i.
+    """
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def shard_seed(seed: int | None, start: int) -> int | None:
+    """The seed of the shard of a seeded call that starts at prompt `start` (the client splits a call over replicas
+    and calls): the whole call's seed for the first, a distinct one for each other, so that prompt i of one shard
+    does not share prompt i of another's stream. (A negative index is a name prompt_seed never gives a prompt.)"""
+    return seed if seed is None or start == 0 else prompt_seed(seed, -start)
 
 
 @dataclass(frozen=True)

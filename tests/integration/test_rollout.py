@@ -77,6 +77,27 @@ def test_generate_all_prompt_kinds_with_logprobs_and_version(rollout_client, rol
     assert [[s.token_ids for s in c.samples] for c in again] == [[s.token_ids for s in c.samples] for c in completions]
 
 
+@pytest.mark.parametrize("prompts_per_call", [1024, 2], ids=["one call", "split into calls of 2"])
+def test_each_prompt_of_a_seeded_request_draws_its_own_samples(rollout, auth_token_file, prompts_per_call):
+    """vLLM seeds every prompt of a request with the request's seed unless told otherwise: identical prompts then
+    got identical samples, and an evaluation's accuracy over Q questions varied far beyond sqrt(p(1-p)/Q). The
+    client splits a call into shards: prompt i of one shard must not share prompt i of another's stream either."""
+    from rlep.services.rollout.client import RolloutClient
+
+    client = RolloutClient(
+        [f"127.0.0.1:{rollout.port}"], token=auth_token_file.read_text().strip(), max_prompts_per_call=prompts_per_call
+    )
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=16, seed=11)
+    try:
+        completions = client.generate([PROMPT] * 4, sampling)
+        samples = [tuple(tuple(s.token_ids) for s in c.samples) for c in completions]
+        assert len(set(samples)) == 4, "four identical prompts, one seed: some drew the same random stream"
+        again = client.generate([PROMPT] * 4, sampling)
+        assert [tuple(tuple(s.token_ids) for s in c.samples) for c in again] == samples  # still reproducible
+    finally:
+        client.close()
+
+
 def test_pushed_weights_give_transformers_logprobs(rollout_client, rollout, hf_model):
     """After a streamed push, the worker's sampled-token logprobs equal an HF forward of the pushed weights."""
     version = rollout.engine.version + 1
