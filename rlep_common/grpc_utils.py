@@ -196,7 +196,13 @@ def build_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        # so_reuseport off: gRPC's default lets a second server bind a port already served, and the kernel
+        # then splits connections between the two (a fixed rollout replica port taken twice, silently).
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
     )
     register(server)
     health_servicer = health.HealthServicer()

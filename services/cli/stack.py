@@ -77,6 +77,8 @@ class ServiceStack:
         auth = {"auth_token_file": str(endpoints.auth_token_file)} if endpoints.auth_token_file else {}
         if endpoints.rollout:
             rollout = RolloutClient(endpoints.rollout, token=self.token)
+        elif endpoints.rollout_service:
+            rollout = RolloutClient.from_service(endpoints.rollout_service, token=self.token)  # re-resolved per step
         else:
             self._start_rollout(auth)
             rollout = RolloutClient.from_ray(self.app_name, token=self.token)  # refresh() follows restarts
@@ -114,7 +116,14 @@ class ServiceStack:
         config = RolloutConfig(engine=engine, server=auth or {})
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         serve.run(
-            build_app(config, local.rollout_replicas, self.app_name, local.rollout_cpus, local.rollout_max_per_node),
+            build_app(
+                config,
+                local.rollout_replicas,
+                self.app_name,
+                local.rollout_cpus,
+                local.rollout_max_per_node,
+                local.rollout_port,
+            ),
             name=self.app_name,
             route_prefix=None,
         )

@@ -134,7 +134,7 @@ def collect(
     stack = ServiceStack(train_config, model_dir)
     services = stack.start(need_replay=True)
     try:
-        if train_config.endpoints.rollout:
+        if train_config.endpoints.rollout or train_config.endpoints.rollout_service:
             push_checkpoint(services.rollout, model_dir)
         tokenizer = PolicyTokenizer.load(
             model_dir, train_config.data.max_prompt_tokens, collect_config.max_response_tokens

@@ -15,8 +15,10 @@ from pydantic import Field, model_validator
 
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.common.files import read_token_file
+from rlep.services.rollout.config import SERVICE_PATTERN
 
 DEFAULT_PORT = 8080
+DEFAULT_ROLLOUT_ADDRESS = "127.0.0.1:50063"  # `rlep serve rollout` on this host
 
 
 class _WithTokenFile(StrictModel):
@@ -49,10 +51,23 @@ class HttpServerConfig(_WithTokenFile, TlsFiles):
 class RolloutEndpoints(_WithTokenFile):
     """Replicas of a rollout deployment (gRPC addresses) and the token they require."""
 
-    addresses: list[str] = Field(min_length=1)
-    """host:port of every replica; a batch is spread over all of them."""
+    addresses: list[str] | None = Field(None, min_length=1)
+    """host:port of every replica; a batch is spread over all of them. None: `service`, else 127.0.0.1:50063."""
+    service: str | None = Field(None, pattern=SERVICE_PATTERN)
+    """Or `NAME:PORT`: a DNS name resolving to every replica's IP (Kubernetes: a headless Service), resolved
+    again before every job (services/rollout/discovery.py). Set this or `addresses`."""
     timeout_s: float = Field(1800.0, gt=0)
     """Deadline of one Generate call (one chunk of questions) and of one weight push."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RolloutEndpoints:
+        if self.addresses is not None and self.service is not None:
+            raise ValueError("a rollout deployment is named by its replicas' `addresses` or a `service`, not both")
+        return self
+
+    def names(self) -> list[str]:
+        """How the replicas are named: the service, or their addresses."""
+        return [self.service] if self.service else list(self.addresses or [DEFAULT_ROLLOUT_ADDRESS])
 
 
 class VerifierEndpoint(_WithTokenFile):
@@ -89,7 +104,7 @@ class EvalConfig(StrictModel):
     """Redis holding jobs and results (they survive a restart of the service)."""
     key_prefix: str = Field("rlep:eval:", min_length=1)
     """Prefix of every Redis key of this service (several deployments can share one Redis)."""
-    rollout: RolloutEndpoints = RolloutEndpoints(addresses=["127.0.0.1:50063"])
+    rollout: RolloutEndpoints = RolloutEndpoints()
     """The policy deployment: `model: "current"` samples from it as it is, never pushing weights."""
     checkpoint_rollout: RolloutEndpoints | None = None
     """Eval's own rollout deployment: a checkpoint's weights are pushed here before sampling. None: checkpoint
@@ -111,7 +126,7 @@ class EvalConfig(StrictModel):
 
     @model_validator(mode="after")
     def _checkpoint_rollout_is_separate(self) -> EvalConfig:
-        shared = set(self.rollout.addresses) & set(self.checkpoint_rollout.addresses if self.checkpoint_rollout else [])
+        shared = set(self.rollout.names()) & set(self.checkpoint_rollout.names() if self.checkpoint_rollout else [])
         if shared:
             raise ValueError(
                 f"checkpoint_rollout shares {sorted(shared)} with rollout: evaluating a checkpoint would replace the "

@@ -63,7 +63,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def build_backends(config: EvalConfig) -> Backends:
     def rollout_client(endpoints) -> RolloutClient:
-        return RolloutClient(endpoints.addresses, token=endpoints.read_auth_token(), timeout_s=endpoints.timeout_s)
+        options = {"token": endpoints.read_auth_token(), "timeout_s": endpoints.timeout_s}
+        if endpoints.service:
+            return RolloutClient.from_service(endpoints.service, **options)  # resolved again before every job
+        return RolloutClient(endpoints.names(), **options)
 
     return Backends(
         rollout=rollout_client(config.rollout),
@@ -108,9 +111,9 @@ def serve_forever(config: EvalConfig) -> None:
     """Runs until SIGINT/SIGTERM; a job running then is requeued and starts over at the next start."""
     running = start_eval(config)
     log.info("eval listening on %s", running.url)
-    checkpoints = "off" if config.checkpoint_rollout is None else ",".join(config.checkpoint_rollout.addresses)
+    checkpoints = "off" if config.checkpoint_rollout is None else ",".join(config.checkpoint_rollout.names())
     serve_until_signal(
         running,
-        f"eval listening on {running.url} rollout={','.join(config.rollout.addresses)}"
+        f"eval listening on {running.url} rollout={','.join(config.rollout.names())}"
         f" checkpoint_rollout={checkpoints} verifier={config.verifier.address}",
     )

@@ -229,10 +229,12 @@ class JobRunner:
     def _prepare_model(self, model: str) -> tuple[RolloutClient, int | None]:
         """Where to sample from, and the version pushed for a checkpoint (None: the current policy)."""
         if model == CURRENT_POLICY:
+            follow_replicas(self._backends.rollout, newest_only=True)
             return self._backends.rollout, None
         target = self._backends.checkpoint_rollout
         if target is None:
             raise RuntimeError("this eval service has no checkpoint_rollout deployment configured")
+        follow_replicas(target)
         state_dict = load_checkpoint(model, self._config.allowed_roots)
         version = max(target.versions()) + 1
         target.push_weights(state_dict, version)
@@ -253,6 +255,18 @@ class JobRunner:
                 versions.add(sample.policy_version)
             tally.add(score_question(scores))
         return versions
+
+
+def follow_replicas(rollout: RolloutClient, newest_only: bool = False) -> None:
+    """Re-reads `rollout`'s replica set (DNS / Ray registry) and serves with the replicas that answer. With
+    `newest_only` (the learner's deployment, which eval never pushes to), only those on the newest policy version:
+    a replica that came back at its initial weights waits for the learner to update it."""
+    rollout.refresh()
+    answering = [(replica, status) for replica, status in rollout.check() if status is not None]
+    if newest_only and answering:
+        newest = max(status.policy_version for _, status in answering)
+        answering = [(replica, status) for replica, status in answering if status.policy_version == newest]
+    rollout.set_serving([replica for replica, _ in answering])
 
 
 def _result(name: str, questions_total: int, tally: DatasetTally) -> DatasetResult:

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from rlep.common.algorithm import LossAgg
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.replay.client import Strategy
-from rlep.services.rollout.config import EngineConfig
+from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
@@ -138,7 +138,18 @@ class EndpointsConfig(StrictModel):
     """Where the services are. Empty = start them (locally on Ray); set = use them (e.g. Kubernetes)."""
 
     rollout: list[str] = []
-    """Rollout replica addresses; empty = a Ray Serve deployment started by `rlep train`."""
+    """Rollout replica addresses; empty (and no `rollout_service`) = a Ray Serve deployment started by `rlep train`."""
+    rollout_service: str | None = Field(None, pattern=SERVICE_PATTERN)
+    """`NAME:PORT`: a DNS name resolving to every rollout replica's IP, which all serve on PORT (Kubernetes: a
+    headless Service of the replicas' pods). Re-resolved before every step, so a replica that comes back on a
+    new pod joins again (services/rollout/discovery.py). Exclusive with `rollout`."""
+
+    @model_validator(mode="after")
+    def _one_rollout_source(self) -> EndpointsConfig:
+        if self.rollout and self.rollout_service:
+            raise ValueError("endpoints.rollout and endpoints.rollout_service both name the replicas: set one")
+        return self
+
     verifier: str | None = None
     replay: str | None = None
     auth_token_file: Path | None = None
@@ -152,6 +163,10 @@ class LocalServicesConfig(StrictModel):
     """Ray CPUs reserved per rollout replica."""
     rollout_max_per_node: int | None = Field(None, ge=1)
     """At most this many replicas on one Ray node (1 spreads them over the nodes); None = Ray's choice."""
+    rollout_port: int = Field(0, ge=0, le=65535)
+    """First gRPC port of the replicas on each node (a firewall can then name them); 0 = any free port. A node's
+    replicas take `rollout_port` + a free slot, one slot per replica it may hold (`rollout_max_per_node`, else
+    `rollout_replicas`); no free slot fails the replica's start."""
     rollout_engine: EngineConfig = EngineConfig()
     """vLLM arguments of the replicas; `model` is replaced by the run's starting checkpoint."""
     verifier_workers: int = Field(1, ge=1)
@@ -161,6 +176,13 @@ class LocalServicesConfig(StrictModel):
     """Ray CPUs reserved per learner process."""
     learner_gpus: float | None = Field(None, ge=0)
     """Ray GPUs per learner process; None = 1 when the machine starting the run has a GPU, else 0."""
+
+    @model_validator(mode="after")
+    def _rollout_ports_fit(self) -> LocalServicesConfig:
+        slots = self.rollout_max_per_node or self.rollout_replicas
+        if self.rollout_port and self.rollout_port + slots - 1 > 65535:
+            raise ValueError(f"local.rollout_port {self.rollout_port} + {slots} replica ports per node pass 65535")
+        return self
 
 
 class DataConfig(StrictModel):

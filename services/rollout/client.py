@@ -9,6 +9,7 @@ replica died or is restarting) is retried on another replica, so one lost replic
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ import grpc
 from rlep.common.grpc_utils import RETRYABLE_CODES, make_channel
 from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep.services.rollout.discovery import Resolver, resolve_service
 from rlep.services.rollout.types import Completion, SampleOut, Sampling, shard_seed
 from rlep.services.weights.transport import AutoTransport, StateDictSource, WeightPush, WeightTransport
 from rlep.services.weights.wire import encode_chunk
@@ -175,8 +177,20 @@ class RolloutClient:
         client._resolve = lambda: replica_addresses(app_name)
         return client
 
+    @classmethod
+    def from_service(cls, service: str, resolve: Resolver = socket.getaddrinfo, **kwargs) -> RolloutClient:
+        """Replicas named by DNS, `NAME:PORT` (Kubernetes: a headless Service; services/rollout/discovery.py);
+        `refresh` resolves the name again (with `resolve`, `socket.getaddrinfo` unless a test passes another)."""
+        addresses = resolve_service(service, resolve)
+        if not addresses:
+            raise RolloutError(f"rollout service {service!r} does not resolve to any replica")
+        client = cls(addresses, **kwargs)
+        client._resolve = lambda: resolve_service(service, resolve)
+        return client
+
     def refresh(self) -> list[str]:
-        """Re-reads the replica list (Ray: replicas restarted by Serve come back under new addresses).
+        """Re-reads the replica list (Ray: replicas restarted by Serve come back under new addresses; DNS: pods
+        rescheduled under new IPs). A source that names no replica (DNS down, no pod Ready) changes nothing.
 
         Returns the addresses that are new; they start at their initial weights until pushed to.
         """
@@ -184,6 +198,9 @@ class RolloutClient:
             return []
         known = {r.address: r for r in self.replicas}
         addresses = list(self._resolve())
+        if not addresses:
+            log.warning("the rollout replica source named no replica; keeping the %d known", len(known))
+            return []
         self.replicas = [known.get(a) or self._connect(a) for a in addresses]
         if self._serving is not None:
             self._serving = [r for r in self._serving if r.address in addresses]

@@ -11,6 +11,8 @@ from rlep.common.config import ServerConfig, StrictModel
 from rlep.services.weights.staging import default_staging_dir
 
 DEFAULT_PORT = 50063
+# A rollout deployment named by DNS (`NAME:PORT`, services/rollout/discovery.py): a host name, not an address.
+SERVICE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}$"
 
 
 class EngineConfig(StrictModel):

@@ -21,9 +21,10 @@ import time
 from typing import Any
 
 import ray
+from pydantic import Field, model_validator
 from ray import serve
 
-from rlep.common.config import load_config
+from rlep.common.config import StrictModel, load_config
 from rlep.services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -103,14 +104,17 @@ def replica_addresses(app_name: str = "rlep-rollout", wait_s: float = 120.0, exp
 
 @serve.deployment(name="rollout", ray_actor_options={"num_cpus": 1}, health_check_period_s=10)
 class RolloutReplica:
-    def __init__(self, config: dict[str, Any], app_name: str = "rlep-rollout"):
+    def __init__(self, config: dict[str, Any], app_name: str = "rlep-rollout", port: int = 0, port_slots: int = 1):
         from rlep.services.rollout.main import start_rollout
+        from rlep.services.rollout.replica_port import claim_port
 
         parsed = RolloutConfig.model_validate(config)
         # Reachable from the rest of the cluster unless the config pins a host.
         host = parsed.server.host if parsed.server.host != "127.0.0.1" else bind_address()
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        server = parsed.server.model_copy(update={"host": host, "port": 0})
+        # Claimed before vLLM loads, so replicas starting together on one node take distinct ports.
+        self._port_claim = claim_port(host, port, port_slots)
+        server = parsed.server.model_copy(update={"host": host, "port": self._port_claim.port})
         self._running = start_rollout(parsed.model_copy(update={"server": server, "replica_id": self._replica_id}))
         self.address = f"{host}:{self._running.port}"
         self._registry = registry(app_name)
@@ -129,6 +133,7 @@ class RolloutReplica:
         try:
             self._registry.unregister.remote(self._replica_id)
             self._running.stop(grace_s=1.0)
+            self._port_claim.release()
         except Exception:  # noqa: BLE001 - best effort during teardown
             pass
 
@@ -141,27 +146,60 @@ def bind_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+class RolloutAppArgs(StrictModel):
+    """Arguments of the rollout Serve application (`serve deploy` args, `app_builder`)."""
+
+    config: dict[str, Any] = {}
+    """RolloutConfig fields (services/rollout/config.py), before environment overrides."""
+    num_replicas: int = Field(1, ge=1)
+    app_name: str = "rlep-rollout"
+    """Serve application name; the replica registry is named after it."""
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per replica."""
+    max_per_node: int | None = Field(None, ge=1)
+    """At most this many replicas on one Ray node (1: one engine per node/GPU host); None = Serve's choice."""
+    port: int = Field(0, ge=0, le=65535)
+    """First gRPC port of the replicas on each node; 0 = any free port. A replica serves on the first of
+    `port .. port + port_slots - 1` that no other replica of its node claimed (services/rollout/replica_port.py)."""
+
+    @property
+    def port_slots(self) -> int:
+        """Ports each node keeps for replicas: one per replica it may hold."""
+        return self.max_per_node or self.num_replicas
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> RolloutAppArgs:
+        if self.port and self.port + self.port_slots - 1 > 65535:
+            raise ValueError(
+                f"port {self.port} + {self.port_slots} replica slots per node run past 65535: lower the port or set "
+                "max_per_node"
+            )
+        return self
+
+
 def build_app(
     config: RolloutConfig,
     num_replicas: int = 1,
     app_name: str = "rlep-rollout",
     num_cpus: float = 1.0,
     max_per_node: int | None = None,
+    port: int = 0,
 ):
     """A Serve application of `num_replicas` rollout replicas (pass it to `serve.run`); `max_per_node` spreads
-    them over the cluster's nodes (1: one engine per node/GPU host)."""
+    them over the cluster's nodes (1: one engine per node/GPU host), `port` fixes their gRPC ports (RolloutAppArgs)."""
+    args = RolloutAppArgs(
+        num_replicas=num_replicas, app_name=app_name, num_cpus=num_cpus, max_per_node=max_per_node, port=port
+    )
     options: dict[str, Any] = {"num_replicas": num_replicas, "ray_actor_options": {"num_cpus": num_cpus}}
     if max_per_node is not None:
         options["max_replicas_per_node"] = max_per_node
-    return RolloutReplica.options(**options).bind(config.model_dump(mode="json"), app_name)
+    replica = RolloutReplica.options(**options)
+    return replica.bind(config.model_dump(mode="json"), app_name, port, args.port_slots)
 
 
 def app_builder(args: dict[str, Any]):
-    """Entry point for `serve deploy` / `serve run`: args = {config, num_replicas, app_name, num_cpus, max_per_node}."""
-    return build_app(
-        load_config(RolloutConfig, args.get("config", {}), env_prefix="rollout"),
-        num_replicas=int(args.get("num_replicas", 1)),
-        app_name=str(args.get("app_name", "rlep-rollout")),
-        num_cpus=float(args.get("num_cpus", 1.0)),
-        max_per_node=int(args["max_per_node"]) if args.get("max_per_node") else None,
-    )
+    """Entry point for `serve deploy` / `serve run`: args are `RolloutAppArgs` fields (a bad one: a pydantic error
+    naming it)."""
+    parsed = RolloutAppArgs.model_validate(args)
+    config = load_config(RolloutConfig, parsed.config, env_prefix="rollout")
+    return build_app(config, **parsed.model_dump(exclude={"config"}))

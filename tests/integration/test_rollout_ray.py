@@ -16,6 +16,7 @@ APP = "rlep-rollout-test"
 
 @pytest.fixture(scope="module")
 def serve_rollout(ray_local, auth_token_file):
+    """One replica on a fixed gRPC port (as on Kubernetes, where the NetworkPolicy names it); yields the port."""
     from ray import serve
 
     from rlep.services.rollout.config import RolloutConfig
@@ -23,8 +24,9 @@ def serve_rollout(ray_local, auth_token_file):
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     config = RolloutConfig(server=ServerConfig(auth_token_file=auth_token_file), engine=ROLLOUT_ENGINE)
-    serve.run(build_app(config, num_replicas=1, app_name=APP, num_cpus=1), name=APP, route_prefix=None)
-    yield
+    port = free_port()
+    serve.run(build_app(config, num_replicas=1, app_name=APP, num_cpus=1, port=port), name=APP, route_prefix=None)
+    yield port
     serve.delete(APP)
 
 
@@ -33,7 +35,7 @@ def test_serve_deployment_answers_the_typed_client(serve_rollout, auth_token_fil
 
     client = RolloutClient.from_ray(APP, token=auth_token_file.read_text().strip())
     try:
-        assert len(client.replicas) == 1
+        assert [r.address for r in client.replicas] == [f"127.0.0.1:{serve_rollout}"], "not on its configured port"
         [status] = client.status()
         assert status.policy_version == 0 and status.replica_id
         prompts = [f"Q: {a}+{a}=?\nA: " for a in range(5)]

@@ -119,7 +119,7 @@ def test_a_partial_section_keeps_the_sections_defaults(tmp_path):
     assert (from_flag.server.grpc_threads, from_flag.server.port) == (4, 50062)
     # A default instance with a required field: setting a sibling alone used to fail ("addresses ... required").
     eval_config = load_config(EvalConfig, overrides={"rollout.timeout_s": 5})
-    assert (eval_config.rollout.timeout_s, eval_config.rollout.addresses) == (5, ["127.0.0.1:50063"])
+    assert (eval_config.rollout.timeout_s, eval_config.rollout.names()) == (5, ["127.0.0.1:50063"])
 
 
 def test_a_section_naming_another_variant_is_not_mixed_with_the_default():

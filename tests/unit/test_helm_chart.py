@@ -184,19 +184,14 @@ def test_service_configs_parse_with_the_services_own_classes(manifests, tmp_path
     files = by_kind(manifests, "ConfigMap")["rlep-config"]["data"]
     token = tmp_path / "token"
     token.write_text("x\n")
-    # The init container fills in the rollout addresses when none are given in values.
-    resolve = load_resolver().with_addresses
+    # Mounted as rendered: the replicas come from DNS at run time, nothing is filled in at pod start.
     parsed = {
         "verifier": VerifierConfig.model_validate(local(files["verifier.yaml"], token)),
         "replay": ReplayConfig.model_validate(local(files["replay.yaml"], token)),
-        "eval": EvalConfig.model_validate(
-            resolve(local(files["eval.yaml"], token), "rollout.addresses", ["10.0.0.9:40000"])
-        ),
+        "eval": EvalConfig.model_validate(local(files["eval.yaml"], token)),
     }
     if "train.yaml" in files:
-        parsed["train"] = TrainConfig.model_validate(
-            resolve(local(files["train.yaml"], token), "endpoints.rollout", ["10.0.0.9:40000"])
-        )
+        parsed["train"] = TrainConfig.model_validate(local(files["train.yaml"], token))
     assert parsed["verifier"].server.host == "0.0.0.0" and parsed["verifier"].server.port == 50061
     assert parsed["replay"].server.metrics_port == 9462
     assert parsed["eval"].verifier.address == "rlep-verifier:50061"
@@ -230,6 +225,8 @@ def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
     assert deployment.num_replicas == app.args["num_replicas"]
     assert deployment.ray_actor_options["num_cpus"] == float(app.args["num_cpus"])
     assert deployment.init_args[1] == app.args["app_name"] == app.name
+    # One replica per worker pod, on the fixed port the pod declares (the NetworkPolicy names it).
+    assert deployment.init_args[2:] == (app.args["port"], 1) and app.args["port"] > 0
     assert RolloutConfig.model_validate(deployment.init_args[0]).server.metrics_port == 9463
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
@@ -237,6 +234,7 @@ def test_rayservice_deploys_the_rollout_app_builder(manifests, tmp_path):
     assert workers["replicas"] == app.args["num_replicas"] == app.deployments[0].num_replicas
     [worker] = workers["template"]["spec"]["containers"]
     assert {"containerPort": 9463, "name": "metrics"} in worker["ports"]
+    assert {"containerPort": app.args["port"], "name": "grpc"} in worker["ports"]
 
 
 def test_custom_values_reach_the_manifests():
@@ -255,7 +253,7 @@ def test_custom_values_reach_the_manifests():
 
     job = learner_job(docs)["spec"]["template"]["spec"]
     assert job["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
-    assert job["initContainers"][0]["name"] == "resolve-rollout"
+    assert job["initContainers"][0]["name"] == "wait-rollout"
     train = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"])
     assert train["deepspeed"]["num_processes"] == 4 and train["steps"] == 500
 
@@ -263,7 +261,7 @@ def test_custom_values_reach_the_manifests():
     secret = by_kind(docs, "Secret")["rlep-secrets"]["data"]
     assert b64(secret["redis-url"]) == "redis://:pw@redis.example:6379/0" and b64(secret["auth-token"]) == "t0ken"
     eval_spec = by_kind(docs, "Deployment")["rlep-eval"]["spec"]["template"]["spec"]
-    assert "initContainers" not in eval_spec, "explicit eval.rolloutEndpoints still resolved from Ray"
+    assert "initContainers" not in eval_spec, "explicit eval.rolloutEndpoints still wait for the RayService"
     assert eval_spec["containers"][0]["command"][-1] == "--config=/etc/rlep/config/eval.yaml"
 
 
@@ -310,9 +308,8 @@ def test_learner_init_container_asks_the_rayservice_head():
     job = learner_job(docs)["spec"]["template"]["spec"]
     [init] = job["initContainers"]
     assert "--ray-address=ray://rlep-rollout-head-svc:10001" in init["command"]
-    assert "--key=endpoints.rollout" in init["command"]
     [shell, flag, script] = job["containers"][0]["command"]
-    assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/run/rlep/train.yaml" in script
+    assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/etc/rlep/config/train.yaml" in script
     assert "run='/checkpoints/rlep';" in script and '[ -e "$run/latest" ]' in script, "a retried pod must resume"
     scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["resolve_rollout.py"]
     assert scripts.strip() == (CHART / "files" / "resolve_rollout.py").read_text().strip()

@@ -133,12 +133,8 @@ def test_rendered_train_config_passes_rlep_train_dry_run_and_finds_its_data(docs
     (tmp_path / "token").write_text("x\n")
     for file in files:  # the data volume, with a tiny training set on it
         write_parquet(make_problems(8, 0, "train"), Path(map_paths(file, tmp_path)))
-    config = tmp_path / "run" / "rlep" / "train.yaml"  # as the init container writes it
-    config.parent.mkdir(parents=True)
-    resolved = load_resolver().with_addresses(
-        yaml.safe_load(map_paths(text, tmp_path)), "endpoints.rollout", ["10.0.0.9:1"]
-    )
-    config.write_text(yaml.safe_dump(resolved))
+    config = tmp_path / "train.yaml"  # as mounted: the replicas are found through DNS at run time
+    config.write_text(map_paths(text, tmp_path))
     result = subprocess.run([str(RLEP), "train", f"--config={config}", "--dry-run"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
@@ -231,7 +227,7 @@ def test_probes_point_at_ports_the_process_opens(docs):
     train = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"])
     opens["learner"] = {train["metrics_port"]}
     [app] = yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])["applications"]
-    opens["rollout"] = {app["args"]["config"]["server"]["metrics_port"]}  # gRPC: a free port, never probed
+    opens["rollout"] = {app["args"]["config"]["server"]["metrics_port"], app["args"]["port"]}
     checked = 0
     for template in pod_templates(docs):
         if component(template) == "rollout-head":
@@ -261,10 +257,7 @@ def test_service_commands_accept_their_rendered_configs(docs, tmp_path):
         config_flag = next(arg for arg in command if arg.startswith("--config="))
         text = files[Path(config_flag.split("=", 1)[1]).name]
         local = tmp_path / f"{name}.yaml"
-        data = yaml.safe_load(map_paths(text, tmp_path))
-        if name.endswith("eval") and not data["rollout"]["addresses"]:
-            data = load_resolver().with_addresses(data, "rollout.addresses", ["10.0.0.9:1"])
-        local.write_text(yaml.safe_dump(data))
+        local.write_text(map_paths(text, tmp_path))
         argv = [str(RLEP), *command[1:-1], f"--config={local}", "--dry-run"]
         result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
         assert result.returncode == 0, (name, result.stderr[-2000:])

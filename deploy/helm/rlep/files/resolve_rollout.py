@@ -1,17 +1,17 @@
-"""Writes a config file with the rollout replicas' gRPC addresses filled in, read from a Ray cluster.
+"""Waits until a Ray cluster's rollout application has `--expect` replicas answering (the learner's and eval's
+init container on Kubernetes).
 
-On Kubernetes, rollout runs as a RayService: each Serve replica listens on a free port of its worker
-pod and records its address in the application's registry actor (services/rollout/ray_app.py).
-Clients outside Ray (the learner Job) get the list once, here, in an init container:
+Each Serve replica serves gRPC on the fixed port of its worker pod (`rollout.port`) and records its address in
+the application's registry actor (services/rollout/ray_app.py). The learner and eval do not take the list from
+here: they resolve the replicas' headless Service before every step or job (`endpoints.rollout_service`,
+services/rollout/discovery.py), so replicas that come back on new pods are used again. This gate only keeps
+them from starting before the replicas have loaded their model:
 
-    python resolve_rollout.py --ray-address ray://rlep-rollout-head-svc:10001 --app rlep-rollout \
-        --expect 2 --key endpoints.rollout --base /etc/rlep/config/train.yaml --out /run/rlep/train.yaml
+    python resolve_rollout.py --ray-address ray://rlep-rollout-head-svc:10001 --app rlep-rollout --expect 2
 
 KubeRay creates the head Service only once the Serve application runs, so the script first waits for the
 Service's name to resolve and for the Ray client to connect, then for `--expect` replicas to answer; all of
 it within `--wait-s`, after which it exits non-zero.
-
-A replica that Serve restarts later comes back on a new port; a restarted learner pod picks it up.
 """
 
 from __future__ import annotations
@@ -20,27 +20,12 @@ import argparse
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
-
-import yaml
 
 # Between attempts to reach the head: KubeRay's Service appears within seconds of the app running, and a
 # refused Ray client connection costs nothing.
 RETRY_INTERVAL_S = 5.0
-
-
-def with_addresses(base: dict[str, Any], dotted_key: str, addresses: list[str]) -> dict[str, Any]:
-    """A copy of `base` with `addresses` at `dotted_key` (sections created as needed)."""
-    result = dict(base)
-    node = result
-    *sections, leaf = dotted_key.split(".")
-    for section in sections:
-        node[section] = dict(node.get(section) or {})
-        node = node[section]
-    node[leaf] = list(addresses)
-    return result
 
 
 def connect(
@@ -76,9 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--app", default="rlep-rollout", help="the rollout application's name (app_name)")
     parser.add_argument("--expect", type=int, default=1, help="wait until this many replicas answer")
     parser.add_argument("--wait-s", type=float, default=1800.0, help="give up after this long")
-    parser.add_argument("--key", default="endpoints.rollout", help="dotted config key to set")
-    parser.add_argument("--base", type=Path, required=True, help="config file to start from")
-    parser.add_argument("--out", type=Path, required=True, help="where to write the result")
     args = parser.parse_args(argv)
 
     import ray
@@ -92,10 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     if len(addresses) < args.expect:
         raise SystemExit(f"only {len(addresses)} of {args.expect} rollout replicas answered: {addresses}")
-    base = yaml.safe_load(args.base.read_text()) or {}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(yaml.safe_dump(with_addresses(base, args.key, addresses), sort_keys=False))
-    print(f"{args.key} = {addresses} -> {args.out}", flush=True)
+    print(f"{len(addresses)} rollout replicas answer: {addresses}", flush=True)
 
 
 if __name__ == "__main__":

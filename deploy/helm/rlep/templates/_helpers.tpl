@@ -88,6 +88,12 @@ app.kubernetes.io/component: {{ .component }}
 ray://{{ include "rlep.fullname" . }}-rollout-head-svc:10001
 {{- end -}}
 
+{{/* The rollout replicas by DNS (NAME:PORT): a headless Service of the worker pods, each serving on rollout.port.
+The learner and eval resolve it again before every step / job (services/rollout/discovery.py). */}}
+{{- define "rlep.rolloutService" -}}
+{{ include "rlep.fullname" . }}-rollout-replicas:{{ .Values.rollout.port }}
+{{- end -}}
+
 {{/* Where the auth token file is mounted in every RLEP container. */}}
 {{- define "rlep.tokenPath" -}}
 /etc/rlep/secrets/auth-token
@@ -194,49 +200,41 @@ livenessProbe:
 {{- end -}}
 
 {{/*
-Init container writing <out> = <base> with the rollout replicas' addresses at <key>, read from the
-RayService's registry. Argument: (dict "root" $ "key" "endpoints.rollout" "config" "train.yaml")
-The pod needs the volumes from "rlep.resolveVolumes"; the main container reads /run/rlep/<config>.
+Init container that waits until the RayService's rollout replicas answer (files/resolve_rollout.py, through the
+Ray client and the application's registry). Where the replicas are is read again later, from DNS
+("rlep.rolloutService"). Argument: the root context. The pod needs the "scripts" volume ("rlep.scriptsVolume").
 */}}
-{{- define "rlep.resolveRollout" -}}
-- name: resolve-rollout
-  image: {{ include "rlep.image" .root }}
-  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+{{- define "rlep.waitRollout" -}}
+- name: wait-rollout
+  image: {{ include "rlep.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
   command:
     - python
     - /etc/rlep/scripts/resolve_rollout.py
-    - --ray-address={{ include "rlep.rayClientAddress" .root }}
-    - --app={{ .root.Values.rollout.appName }}
-    - --expect={{ .root.Values.rollout.replicas }}
-    - --wait-s={{ .root.Values.rollout.startupWaitSeconds }}
-    - --key={{ .key }}
-    - --base=/etc/rlep/config/{{ .config }}
-    - --out=/run/rlep/{{ .config }}
-  {{- $env := include "rlep.tlsEnv" .root | fromYamlArray }}
-  {{- if .root.Values.rollout.rayAuth.enabled }}
-  {{- $tokenRef := dict "secretKeyRef" (dict "name" (include "rlep.rayAuthSecretName" .root) "key" "auth_token") }}
+    - --ray-address={{ include "rlep.rayClientAddress" . }}
+    - --app={{ .Values.rollout.appName }}
+    - --expect={{ .Values.rollout.replicas }}
+    - --wait-s={{ .Values.rollout.startupWaitSeconds }}
+  {{- $env := include "rlep.tlsEnv" . | fromYamlArray }}
+  {{- if .Values.rollout.rayAuth.enabled }}
+  {{- $tokenRef := dict "secretKeyRef" (dict "name" (include "rlep.rayAuthSecretName" .) "key" "auth_token") }}
   {{- $env = concat (list (dict "name" "RAY_AUTH_MODE" "value" "token") (dict "name" "RAY_AUTH_TOKEN" "valueFrom" $tokenRef)) $env }}
   {{- end }}
   {{- with $env }}
-  # The Ray client's token (rollout.rayAuth); it health-checks the replicas (over TLS when on) before
-  # writing their addresses.
+  # The Ray client's token (rollout.rayAuth); it health-checks the replicas (over TLS when on).
   env:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   securityContext:
-    {{- toYaml .root.Values.securityContext | nindent 4 }}
+    {{- toYaml .Values.securityContext | nindent 4 }}
   resources:
     {{- include "rlep.guaranteed" (dict "cpu" "250m" "memory" "512Mi" "gpus" 0) | nindent 4 }}
   volumeMounts:
-    - { name: config, mountPath: /etc/rlep/config, readOnly: true }
     - { name: scripts, mountPath: /etc/rlep/scripts, readOnly: true }
-    - { name: resolved, mountPath: /run/rlep }
-    {{- include "rlep.tlsMount" .root | nindent 4 }}
+    {{- include "rlep.tlsMount" . | nindent 4 }}
 {{- end -}}
 
-{{- define "rlep.resolveVolumes" -}}
-- name: resolved
-  emptyDir: {}
+{{- define "rlep.scriptsVolume" -}}
 - name: scripts
   configMap:
     name: {{ include "rlep.fullname" . }}-scripts
@@ -266,7 +264,9 @@ data volume's mount; checkpoints go to /checkpoints/<run_id> on the checkpoint v
 {{- fail "learner.enabled needs training data: set learner.dataVolume and learner.trainFiles (parquet files on it)" }}
 {{- end }}
 {{- $runId := $l.config.run_id | default "rlep" }}
-{{- $endpoints := dict "verifier" (include "rlep.verifierAddress" .) "replay" (include "rlep.replayAddress" .) "auth_token_file" $token "rollout" $l.rolloutEndpoints }}
+{{- $endpoints := dict "verifier" (include "rlep.verifierAddress" .) "replay" (include "rlep.replayAddress" .) "auth_token_file" $token }}
+{{- if $l.rolloutEndpoints }}{{- $_ := set $endpoints "rollout" $l.rolloutEndpoints }}
+{{- else }}{{- $_ := set $endpoints "rollout_service" (include "rlep.rolloutService" .) }}{{- end }}
 {{- $deepspeed := dict "num_processes" (int $l.processes) }}
 {{- /* Ray resources of each DeepSpeed process in the pod's own Ray: the GPUs the pod was given. */ -}}
 {{- $local := dict "learner_gpus" $l.gpusPerProcess }}
@@ -277,7 +277,7 @@ data volume's mount; checkpoints go to /checkpoints/<run_id> on the checkpoint v
 {{- end -}}
 
 {{/*
-The learner Job's pod template. Argument: (dict "root" $ "resolve" bool "gpus" int "runDir" "/checkpoints/rlep"
+The learner Job's pod template. Argument: (dict "root" $ "wait" bool "gpus" int "runDir" "/checkpoints/rlep"
 "config" <rlep.trainConfig>). Start-up: a checkpoint in runDir made by this Job (a retried pod) is resumed;
 one made by another Job (a reinstall over the kept volume, an upgrade that replaced the Job) is resumed only
 with learner.resume=continue, else the pod exits 78 (the Job's podFailurePolicy ends it).
@@ -296,10 +296,10 @@ spec:
   securityContext:
     {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
   {{- include "rlep.podPlacement" (dict "root" $root "component" $l) | nindent 2 }}
-  {{- if .resolve }}
+  {{- if .wait }}
   initContainers:
-    # Rollout replicas listen on free ports of their Ray worker pods: ask the registry where.
-    {{- include "rlep.resolveRollout" (dict "root" $root "key" "endpoints.rollout" "config" "train.yaml") | nindent 4 }}
+    # Start once the rollout replicas have loaded their model.
+    {{- include "rlep.waitRollout" $root | nindent 4 }}
   {{- end }}
   containers:
     - name: learner
@@ -317,7 +317,7 @@ spec:
           fi;
           fi;
           mkdir -p "$run" && printf %s "$JOB_UID" > "$run/.job-uid" &&
-          exec rlep train --config={{ ternary "/run/rlep/train.yaml" "/etc/rlep/config/train.yaml" .resolve }} "$@"
+          exec rlep train --config=/etc/rlep/config/train.yaml "$@"
       ports:
         - { name: metrics, containerPort: 9464 }
       env:
@@ -335,9 +335,6 @@ spec:
         {{- include "rlep.commonMounts" $root | nindent 8 }}
         - { name: checkpoints, mountPath: /checkpoints }
         - { name: dshm, mountPath: /dev/shm }
-        {{- if .resolve }}
-        - { name: resolved, mountPath: /run/rlep, readOnly: true }
-        {{- end }}
         {{- if $l.dataVolume }}
         - { name: data, mountPath: /data, readOnly: true }
         {{- end }}
@@ -356,8 +353,8 @@ spec:
       {{- end }}
     - name: dshm
       emptyDir: { medium: Memory, sizeLimit: {{ $l.shmSize }} }
-    {{- if .resolve }}
-    {{- include "rlep.resolveVolumes" $root | nindent 4 }}
+    {{- if .wait }}
+    {{- include "rlep.scriptsVolume" $root | nindent 4 }}
     {{- end }}
     {{- with $l.dataVolume }}
     {{- toYaml (list (merge (dict "name" "data") (deepCopy .))) | nindent 4 }}
