@@ -260,7 +260,10 @@ class JobRunner:
 def follow_replicas(rollout: RolloutClient, newest_only: bool = False) -> None:
     """Re-reads `rollout`'s replica set (DNS / Ray registry) and serves with the replicas that answer. With
     `newest_only` (the learner's deployment, which eval never pushes to), only those on the newest policy version:
-    a replica that came back at its initial weights waits for the learner to update it."""
+    a replica that came back at its initial weights waits for the learner to update it. A fixed address list is
+    left as it is: its calls fail over between the replicas, and a status check would only add a round trip."""
+    if not rollout.follows_a_source:
+        return
     rollout.refresh()
     answering = [(replica, status) for replica, status in rollout.check() if status is not None]
     if newest_only and answering:

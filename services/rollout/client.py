@@ -188,6 +188,11 @@ class RolloutClient:
         client._resolve = lambda: resolve_service(service, resolve)
         return client
 
+    @property
+    def follows_a_source(self) -> bool:
+        """Whether `refresh` re-reads the replicas from somewhere (DNS, the Ray registry); False: a fixed list."""
+        return self._resolve is not None
+
     def refresh(self) -> list[str]:
         """Re-reads the replica list (Ray: replicas restarted by Serve come back under new addresses; DNS: pods
         rescheduled under new IPs). A source that names no replica (DNS down, no pod Ready) changes nothing.
