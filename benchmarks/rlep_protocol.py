@@ -332,7 +332,7 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
             continue
         runs = {}
         for seed in cfg.seeds[: cfg.ablation_seeds]:
-            run_id = "abl-" + "".join(c if c.isalnum() else "-" for c in name) + f"-s{seed}"
+            run_id = ablation_run_id(name, seed)
             pool = "protocol-phase1"
             if spec.get("pool") == "phase1-distinct":
                 pool = f"protocol-phase1-{other_rule}"
@@ -350,9 +350,14 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
     return cells
 
 
-def finished_runs(cfg: ProtocolConfig) -> tuple[ProtocolConfig, dict]:
+def ablation_run_id(cell: str, seed: int) -> str:
+    return "abl-" + "".join(c if c.isalnum() else "-" for c in cell) + f"-s{seed}"
+
+
+def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig, dict]:
     """The results of the runs already done, as run_protocol returns them, without starting anything: what
-    `--report-only` reports. Returns `cfg` narrowed to the seeds whose two arms have both finished."""
+    `--report-only` reports. Returns `cfg` narrowed to the seeds whose two arms have both finished; with
+    `ablations`, the cells with at least one finished run among those seeds."""
 
     def result(run_id: str) -> dict | None:
         path = cfg.work_dir / run_id / "result.json"
@@ -370,8 +375,19 @@ def finished_runs(cfg: ProtocolConfig) -> tuple[ProtocolConfig, dict]:
         "pool": json.loads((cfg.work_dir / "pool-protocol-phase1.json").read_text()),
     }
     runs = [*out["baseline"].values(), *out["rlep"].values()]
+    pools = [out["pool"]]
+    if ablations:
+        out["ablations"] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
+        for name in ABLATIONS:
+            done = {s: r for s in seeds[: cfg.ablation_seeds] if (r := result(ablation_run_id(name, s)))}
+            out["ablations"][name] = {"runs": done} if done else {"not_run": "not finished when this report was made"}
+            runs += done.values()
+        other = cfg.work_dir / f"pool-protocol-phase1-{'distinct' if cfg.collect_rule == 'correct' else 'correct'}.json"
+        if other.exists():
+            out["pool_other_rule"] = json.loads(other.read_text())
+            pools.append(out["pool_other_rule"])
     # Runs finished before runs recorded their wall time have none: the total is then unknown.
-    walls = [r.get("wall_seconds") for r in runs] + [out["pool"].get("seconds")]
+    walls = [r.get("wall_seconds") for r in runs] + [p.get("seconds") for p in pools]
     out["wall_seconds"] = sum(walls) if None not in walls else None
     return cfg, out
 
@@ -381,14 +397,14 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="YAML over the defaults")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="ProtocolConfig override, key=value")
     parser.add_argument("--ablations", action="store_true", help="also run the ablation cells")
-    parser.add_argument("--report-only", action="store_true", help="report the seeds finished so far; run nothing")
+    parser.add_argument("--report-only", action="store_true", help="report what has finished (cells: --ablations)")
     args = parser.parse_args()
     cfg = load_config(ProtocolConfig, args.config, sets=args.sets, env_prefix="protocol")
 
     from rlep_protocol_report import report
 
     if args.report_only:
-        cfg, raw = finished_runs(cfg)
+        cfg, raw = finished_runs(cfg, args.ablations)
     else:
         raw = run_protocol(cfg, args.ablations)
     report(cfg, raw)

@@ -102,7 +102,7 @@ def report(cfg, raw: dict) -> dict:
         "runs": {"baseline": raw["baseline"], "rlep": raw["rlep"]},
     }
     if "ablations" in raw:
-        summary["ablations"] = ablation_cells(raw)
+        summary["ablations"] = ablation_cells(raw, seeds[: cfg.ablation_seeds])
         summary["pool_other_rule"] = raw.get("pool_other_rule")
     cfg.results.parent.mkdir(parents=True, exist_ok=True)
     cfg.results.with_suffix(".json").write_text(json.dumps(summary, indent=1))
@@ -111,9 +111,12 @@ def report(cfg, raw: dict) -> dict:
     return summary
 
 
-def ablation_cells(raw: dict) -> dict[str, dict]:
+def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
+    """Each cell against the baseline of the same seeds; first, the protocol's RLEP on those seeds (the reference
+    each cell changes one thing of)."""
+    reference = {"runs": {s: raw["rlep"][s] for s in seeds}}
     cells = {}
-    for name, cell in raw["ablations"].items():
+    for name, cell in {"RLEP as run (M=2, uniform, >= 2 correct)": reference, **raw["ablations"]}.items():
         if "not_run" in cell:
             cells[name] = cell
             continue
@@ -166,6 +169,8 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def _ci(row: dict, digits: int = 3) -> str:
     if not row.get("n"):
         return "n/a"
+    if row["n"] == 1:  # one pair: a difference, no interval
+        return f"{row['diff']:+.{digits}f} (1 seed)"
     star = " *" if row["excludes_zero"] else ""
     return f"{row['diff']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]{star}"
 
