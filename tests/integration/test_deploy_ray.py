@@ -1,4 +1,4 @@
-"""The Ray Serve entry points deploy/ray/serve.yaml names, the chart's rollout resolver and the container health
+"""The Ray Serve entry points deploy/ray/serve.yaml names, the chart's rollout start gate and the container health
 check, each run for real: verifier and eval as Serve applications on a local Ray, the resolver against a
 replica registry, healthcheck.py against live servers."""
 
@@ -10,7 +10,6 @@ import sys
 import urllib.request
 
 import pytest
-import yaml
 
 from tests.conftest import REPO_ROOT, free_port
 
@@ -71,24 +70,27 @@ def test_container_healthcheck_tells_serving_from_down(serve_verifier, verifier)
     assert healthcheck("ftp", "x").returncode == 2
 
 
-def test_resolver_writes_the_live_replicas_into_the_config(ray_local, fake_rollout_registry, tmp_path):
-    base = tmp_path / "train.yaml"
-    base.write_text(yaml.safe_dump({"steps": 3, "endpoints": {"verifier": "v:1", "rollout": []}}))
-    out = tmp_path / "resolved" / "train.yaml"
+def test_start_gate_waits_for_live_replicas_only(ray_local, fake_rollout_registry):
+    """The learner's and eval's init container: it passes once the registry's replicas answer, and the dead
+    entry never counts, so asking for two (one live, one dead) fails within its wait, saying how many answered."""
     gcs_address = ray_local.get_runtime_context().gcs_address
-    result = subprocess.run(
-        [sys.executable, str(RESOLVER), f"--ray-address={gcs_address}", f"--app={FAKE_ROLLOUT_APP}"]
-        + ["--key=endpoints.rollout", f"--base={base}", f"--out={out}", "--wait-s=30"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    resolved = yaml.safe_load(out.read_text())
-    # The dead entry is dropped; everything else in the base config is kept.
-    assert resolved == {"steps": 3, "endpoints": {"verifier": "v:1", "rollout": [fake_rollout_registry]}}
+
+    def gate(expect: int, wait_s: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(RESOLVER), f"--ray-address={gcs_address}", f"--app={FAKE_ROLLOUT_APP}"]
+            + [f"--expect={expect}", f"--wait-s={wait_s}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        )
+
+    passed = gate(expect=1, wait_s=30)
+    assert passed.returncode == 0, passed.stderr[-3000:]
+    assert f"1 rollout replicas answer: ['{fake_rollout_registry}']" in passed.stdout
+    refused = gate(expect=2, wait_s=5)
+    assert refused.returncode != 0 and "only 1 of 2 rollout replicas answered" in refused.stderr
 
 
 def test_eval_app_finds_rollout_through_the_registry_and_serves_http(
