@@ -380,7 +380,9 @@ def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig,
         out["ablations"] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
         for name in ABLATIONS:
             done = {s: r for s in seeds[: cfg.ablation_seeds] if (r := result(ablation_run_id(name, s)))}
-            out["ablations"][name] = {"runs": done} if done else {"not_run": "not finished when this report was made"}
+            left_out = cfg.ablation_cells is not None and name not in cfg.ablation_cells
+            why = "left out of this run's budget (ablation_cells)" if left_out else "not finished when reported"
+            out["ablations"][name] = {"runs": done} if done else {"not_run": why}
             runs += done.values()
         other = cfg.work_dir / f"pool-protocol-phase1-{'distinct' if cfg.collect_rule == 'correct' else 'correct'}.json"
         if other.exists():

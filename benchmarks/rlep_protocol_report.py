@@ -139,20 +139,24 @@ def plot(raw: dict, seeds: list[int], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for arm, label in (("baseline", "baseline (M=0)"), ("rlep", "RLEP (replay)")):
+    for arm, label, color in (("baseline", "baseline (M=0)", "tab:blue"), ("rlep", "RLEP (replay)", "tab:orange")):
         steps, mean, sd = mean_band([raw[arm][s] for s in seeds])
-        ax.plot(steps, mean, marker="o", markersize=3, label=f"{label}, mean of {len(seeds)} seeds")
+        ax.plot(steps, mean, marker="o", markersize=3, color=color, label=f"{label}, mean of {len(seeds)} seeds")
         ax.fill_between(
             steps,
             [m - d for m, d in zip(mean, sd, strict=True)],
             [m + d for m, d in zip(mean, sd, strict=True)],
+            color=color,
             alpha=0.2,
         )
+        # Each seed whole (seeds stop at their own plateau): the mean ends where the shortest does.
+        for s in seeds:
+            ax.plot(*zip(*raw[arm][s]["curve"], strict=True), color=color, linewidth=0.7, alpha=0.45)
     peaks = [peak(raw["baseline"][s]["curve"]) for s in seeds]
     ax.axhline(
         statistics.mean(a for _, a in peaks), color="grey", linestyle=":", label="baseline peak (mean over seeds)"
     )
-    ax.set_xlabel("training step (curves end where every seed has an evaluation)")
+    ax.set_xlabel("training step (thin: each seed to its stop; thick: mean while every seed runs)")
     ax.set_ylabel("held-out accuracy (T=1), band = ±1 SD over seeds")
     ax.set_title("RLEP vs baseline from one shared warm-up model")
     ax.legend(fontsize=8)
