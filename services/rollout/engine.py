@@ -29,12 +29,7 @@ from pathlib import Path
 from rlep.common.types import FinishReason
 from rlep.services.rollout.config import EngineConfig
 from rlep.services.rollout.types import Generation, SampleOut, Sampling, prompt_seed
-from rlep.services.rollout.vllm_args import (
-    engine_kwargs,
-    sampling_params,
-    shutdown_llm,
-    weight_reload_problem,
-)
+from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm, weight_reload_problem
 
 log = logging.getLogger(__name__)
 
