@@ -20,6 +20,7 @@ from rlep.common.algorithm import LossAgg
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig
+from rlep.services.rollout.replica_port import port_range_error
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
@@ -179,9 +180,8 @@ class LocalServicesConfig(StrictModel):
 
     @model_validator(mode="after")
     def _rollout_ports_fit(self) -> LocalServicesConfig:
-        slots = self.rollout_max_per_node or self.rollout_replicas
-        if self.rollout_port and self.rollout_port + slots - 1 > 65535:
-            raise ValueError(f"local.rollout_port {self.rollout_port} + {slots} replica ports per node pass 65535")
+        if error := port_range_error(self.rollout_port, self.rollout_max_per_node or self.rollout_replicas):
+            raise ValueError(f"local.rollout_port: {error}")
         return self
 
 

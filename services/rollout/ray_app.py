@@ -26,6 +26,7 @@ from ray import serve
 
 from rlep.common.config import StrictModel, load_config
 from rlep.services.rollout.config import RolloutConfig
+from rlep.services.rollout.replica_port import port_range_error
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,8 @@ class RolloutAppArgs(StrictModel):
 
     @model_validator(mode="after")
     def _ports_fit(self) -> RolloutAppArgs:
-        if self.port and self.port + self.port_slots - 1 > 65535:
-            raise ValueError(
-                f"port {self.port} + {self.port_slots} replica slots per node run past 65535: lower the port or set "
-                "max_per_node"
-            )
+        if error := port_range_error(self.port, self.port_slots):
+            raise ValueError(f"{error}: lower the port or set max_per_node")
         return self
 
 
@@ -190,16 +188,19 @@ def build_app(
     args = RolloutAppArgs(
         num_replicas=num_replicas, app_name=app_name, num_cpus=num_cpus, max_per_node=max_per_node, port=port
     )
-    options: dict[str, Any] = {"num_replicas": num_replicas, "ray_actor_options": {"num_cpus": num_cpus}}
-    if max_per_node is not None:
-        options["max_replicas_per_node"] = max_per_node
+    return _bind(config, args)
+
+
+def _bind(config: RolloutConfig, args: RolloutAppArgs):
+    options: dict[str, Any] = {"num_replicas": args.num_replicas, "ray_actor_options": {"num_cpus": args.num_cpus}}
+    if args.max_per_node is not None:
+        options["max_replicas_per_node"] = args.max_per_node
     replica = RolloutReplica.options(**options)
-    return replica.bind(config.model_dump(mode="json"), app_name, port, args.port_slots)
+    return replica.bind(config.model_dump(mode="json"), args.app_name, args.port, args.port_slots)
 
 
 def app_builder(args: dict[str, Any]):
     """Entry point for `serve deploy` / `serve run`: args are `RolloutAppArgs` fields (a bad one: a pydantic error
     naming it)."""
     parsed = RolloutAppArgs.model_validate(args)
-    config = load_config(RolloutConfig, parsed.config, env_prefix="rollout")
-    return build_app(config, **parsed.model_dump(exclude={"config"}))
+    return _bind(load_config(RolloutConfig, parsed.config, env_prefix="rollout"), parsed)

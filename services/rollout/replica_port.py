@@ -41,6 +41,15 @@ class PortClaim:
             self.lock = None
 
 
+def port_range_error(base: int, slots: int) -> str | None:
+    """Why ports `base .. base + slots - 1` cannot hold a node's replicas; None when they fit (or base is 0)."""
+    if base == ANY_PORT:
+        return None
+    if slots < 1 or base + slots - 1 > 65535:
+        return f"ports {base}..{base + slots - 1} ({slots} replica slots per node from {base}) are not a valid range"
+    return None
+
+
 def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = None) -> PortClaim:
     """The first of ports `base .. base + slots - 1` that no other replica claimed and `host` can bind.
 
@@ -56,8 +65,8 @@ def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = Non
     """
     if base == ANY_PORT:
         return PortClaim(ANY_PORT)
-    if slots < 1 or base + slots - 1 > 65535:
-        raise ValueError(f"ports {base}..{base + slots - 1} are not a valid range")
+    if error := port_range_error(base, slots):
+        raise ValueError(error)
     lock_dir = lock_dir or Path(tempfile.gettempdir())
     passed = []
     for port in range(base, base + slots):
