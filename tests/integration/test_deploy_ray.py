@@ -1,10 +1,10 @@
-"""The Ray Serve entry points deploy/ray/serve.yaml names, the chart's rollout start gate and the container health
-check, each run for real: verifier and eval as Serve applications on a local Ray, the resolver against a
-replica registry, healthcheck.py against live servers."""
+"""The Ray Serve entry points deploy/ray/serve.yaml names and the container health check, each run for real:
+verifier and eval as Serve applications on a local Ray (eval finding rollout through the replica registry),
+healthcheck.py against live servers. The chart's rollout start gate needs no Ray (its tests:
+tests/unit/test_helm_wait_rollout.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import urllib.request
@@ -16,7 +16,6 @@ from tests.conftest import REPO_ROOT, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HEALTHCHECK = REPO_ROOT / "deploy" / "docker" / "healthcheck.py"
-RESOLVER = REPO_ROOT / "deploy" / "helm" / "rlep" / "files" / "resolve_rollout.py"
 FAKE_ROLLOUT_APP = "rlep-rollout-deploy-test"
 
 
@@ -68,29 +67,6 @@ def test_container_healthcheck_tells_serving_from_down(serve_verifier, verifier)
     assert healthcheck("http", f"http://127.0.0.1:{verifier.metrics_port}/healthz").returncode == 0
     assert healthcheck("http", f"http://127.0.0.1:{verifier.metrics_port}/nope").returncode == 1
     assert healthcheck("ftp", "x").returncode == 2
-
-
-def test_start_gate_waits_for_live_replicas_only(ray_local, fake_rollout_registry):
-    """The learner's and eval's init container: it passes once the registry's replicas answer, and the dead
-    entry never counts, so asking for two (one live, one dead) fails within its wait, saying how many answered."""
-    gcs_address = ray_local.get_runtime_context().gcs_address
-
-    def gate(expect: int, wait_s: int) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(RESOLVER), f"--ray-address={gcs_address}", f"--app={FAKE_ROLLOUT_APP}"]
-            + [f"--expect={expect}", f"--wait-s={wait_s}"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO_ROOT,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-        )
-
-    passed = gate(expect=1, wait_s=30)
-    assert passed.returncode == 0, passed.stderr[-3000:]
-    assert f"1 rollout replicas answer: ['{fake_rollout_registry}']" in passed.stdout
-    refused = gate(expect=2, wait_s=5)
-    assert refused.returncode != 0 and "only 1 of 2 rollout replicas answered" in refused.stderr
 
 
 def test_eval_app_finds_rollout_through_the_registry_and_serves_http(

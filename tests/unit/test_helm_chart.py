@@ -303,16 +303,22 @@ def test_dashboard_configmap_is_the_shipped_dashboard():
     assert json.loads(configmap["data"]["rlep.json"]) == shipped
 
 
-def test_learner_init_container_asks_the_rayservice_head():
+def test_learner_init_container_waits_on_the_service_the_learner_resolves():
     docs = render({"learner": LEARNER_ON})
     job = learner_job(docs)["spec"]["template"]["spec"]
     [init] = job["initContainers"]
-    assert "--ray-address=ray://rlep-rollout-head-svc:10001" in init["command"]
+    train = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"])
+    service = train["endpoints"]["rollout_service"]
+    assert service == "rlep-rollout-replicas:50063"
+    assert init["command"][:2] == ["python", "/etc/rlep/scripts/wait_rollout.py"]
+    assert f"--service={service}" in init["command"] and f"--token-file={TOKEN_PATH}" in init["command"]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert mounts["auth-token"] == str(Path(TOKEN_PATH).parent) and "auth-token" in {v["name"] for v in job["volumes"]}
     [shell, flag, script] = job["containers"][0]["command"]
     assert (shell, flag) == ("sh", "-c") and "exec rlep train --config=/etc/rlep/config/train.yaml" in script
     assert "run='/checkpoints/rlep';" in script and '[ -e "$run/latest" ]' in script, "a retried pod must resume"
-    scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["resolve_rollout.py"]
-    assert scripts.strip() == (CHART / "files" / "resolve_rollout.py").read_text().strip()
+    scripts = by_kind(docs, "ConfigMap")["rlep-scripts"]["data"]["wait_rollout.py"]
+    assert scripts.strip() == (CHART / "files" / "wait_rollout.py").read_text().strip()
 
 
 def test_missing_redis_url_fails_with_a_clear_message():
@@ -344,10 +350,11 @@ def b64(value: str) -> str:
     return base64.b64decode(value).decode()
 
 
-def load_resolver():
+def load_wait_rollout():
+    """files/wait_rollout.py, the init containers' start gate (a script in a ConfigMap, not a package module)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("resolve_rollout", CHART / "files" / "resolve_rollout.py")
+    spec = importlib.util.spec_from_file_location("wait_rollout", CHART / "files" / "wait_rollout.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

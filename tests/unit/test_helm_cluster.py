@@ -1,7 +1,8 @@
 """What a real cluster would hit, checked on the rendered chart without one (issue 16, part 4).
 
-Each test names the failure it guards against: the learner's init container giving up before KubeRay creates
-the head Service, a train config with nothing to train on, rollout pods with no way to the model or a GPU
+Each test names the failure it guards against: the learner's init container giving up before the rollout
+replicas have loaded their model (or passing before they have), learner or eval pods holding Ray's token or
+reaching the Ray head, a train config with nothing to train on, rollout pods with no way to the model or a GPU
 build, Secrets nobody renders, probes on ports nothing opens, names KubeRay refuses, pods Pod Security
 "restricted" rejects, open Ray ports, random secrets under `helm template`, /dev/shm and memory sizing,
 Burstable QoS, Redis without maxmemory, a Job that `helm upgrade` cannot change, and a reinstall that
@@ -28,7 +29,7 @@ from tests.unit.test_helm_chart import (
     TOKEN_PATH,
     by_kind,
     learner_job,
-    load_resolver,
+    load_wait_rollout,
     pod_templates,
     render,
 )
@@ -71,39 +72,53 @@ def worker_spec(docs: list[dict]) -> dict:
 # -- blockers ---------------------------------------------------------------------------------------------
 
 
-def test_init_wait_is_the_documented_bound_and_covers_the_head_service_appearing(docs):
-    """KubeRay creates <name>-head-svc only once the Serve app runs: the init container must wait for it."""
+def test_init_wait_is_the_documented_bound_and_waits_for_enough_answering_replicas(docs, capsys):
+    """Worker pods join the replicas' Service once Ray runs in them, before their replica has loaded the model:
+    the init container must wait for `--expect` addresses that also answer, and give up at the bound."""
     [init] = learner_job(docs)["spec"]["template"]["spec"]["initContainers"]
     assert f"--wait-s={DEFAULT_VALUES['rollout']['startupWaitSeconds']}" in init["command"]
-    resolver = load_resolver()
+    gate = load_wait_rollout()
+    service = "rlep-rollout-replicas:50063"
     now = [0.0]
-    calls = {"resolve": 0, "init": 0}
+    # What each look sees: (pod IPs in DNS, IPs whose replica answers).
+    looks = iter(
+        [
+            ([], []),  # no Ready worker pod yet: NXDOMAIN
+            (["10.0.0.1"], ["10.0.0.1"]),  # one pod of two, its replica answering
+            (["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]),  # both pods, one replica still loading
+            (["10.0.0.2", "10.0.0.1"], ["10.0.0.1", "10.0.0.2"]),
+        ]
+    )
+    answering: list[str] = []
 
-    def resolve(host, port):
-        calls["resolve"] += 1
-        assert (host, port) == ("rlep-rollout-head-svc", 10001)
-        if calls["resolve"] <= 3:  # no Service yet: the name does not resolve
-            raise socket.gaierror("Name or service not known")
+    def resolve(host, port, type=0):  # noqa: A002 - getaddrinfo's parameter name
+        assert (host, port) == ("rlep-rollout-replicas", 50063)
+        ips, up = next(looks)
+        answering[:] = [f"{ip}:{port}" for ip in up]
+        if not ips:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
 
-    def init(address):
-        calls["init"] += 1
-        if calls["init"] == 1:  # the Service exists but the Ray client port is not up yet
-            raise ConnectionError("ray client connection timeout")
+    def check(addresses):
+        return [a for a in addresses if a in answering]
 
     def sleep(seconds):
         now[0] += seconds
 
-    left = resolver.connect("ray://rlep-rollout-head-svc:10001", 1800.0, init, resolve, sleep, clock=lambda: now[0])
-    assert calls == {"resolve": 5, "init": 2} and left == 1800.0 - 4 * resolver.RETRY_INTERVAL_S
+    found = gate.wait_for_replicas(service, 2, 1800.0, check, resolve, sleep, clock=lambda: now[0])
+    assert found == ["10.0.0.1:50063", "10.0.0.2:50063"] and now[0] == 3 * gate.RETRY_INTERVAL_S
+    progress = capsys.readouterr().out.splitlines()
+    assert len(progress) == 3 and all(
+        line.startswith(f"waiting for 2 rollout replicas at {service}:") for line in progress
+    )
+    assert "no address" in progress[0] and "not answering ['10.0.0.2:50063']" in progress[2]
 
-    # A Service that never appears: it gives up at the bound, naming why.
-    def never(host, port):
-        raise socket.gaierror("Name or service not known")
-
+    # A replica that never answers: it gives up at the bound, naming what it saw last.
+    looks = iter(lambda: (["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]), None)
     now[0] = 0.0
-    with pytest.raises(SystemExit, match="did not answer within 60 s .*not known"):
-        resolver.connect("ray://rlep-rollout-head-svc:10001", 60.0, init, never, sleep, clock=lambda: now[0])
-    assert 60.0 <= now[0] < 60.0 + 2 * resolver.RETRY_INTERVAL_S
+    with pytest.raises(SystemExit, match=r"within 60 s: 2 resolve, 1 answer .*not answering \['10.0.0.2:50063'\]"):
+        gate.wait_for_replicas(service, 2, 60.0, check, resolve, sleep, clock=lambda: now[0])
+    assert 60.0 <= now[0] < 60.0 + 2 * gate.RETRY_INTERVAL_S
 
 
 def map_paths(text: str, tmp_path: Path) -> str:
@@ -261,7 +276,7 @@ def test_service_commands_accept_their_rendered_configs(docs, tmp_path):
         argv = [str(RLEP), *command[1:-1], f"--config={local}", "--dry-run"]
         result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
         assert result.returncode == 0, (name, result.stderr[-2000:])
-    script = CHART / "files" / "resolve_rollout.py"
+    script = CHART / "files" / "wait_rollout.py"
     assert subprocess.run([sys.executable, str(script), "--help"], capture_output=True).returncode == 0
 
 
@@ -308,6 +323,12 @@ def selects(policy: dict, labels: dict) -> bool:
     return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
 
 
+def peer_components(rule: dict) -> set[str | None]:
+    """The components an ingress rule admits (None for a peer that is not one of the chart's pods)."""
+    peers = rule.get("from", [])
+    return {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers}
+
+
 def test_network_policies_admit_only_callers_and_keep_ray_ports_closed(docs):
     policies = list(by_kind(docs, "NetworkPolicy").values())
     for template in pod_templates(docs):
@@ -321,13 +342,11 @@ def test_network_policies_admit_only_callers_and_keep_ray_ports_closed(docs):
         ports = {p["port"] for p in rule.get("ports", [])}
         peers = rule.get("from")
         assert peers, "a rule without `from` opens the Ray head to every pod"
-        components = {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers}
+        components = peer_components(rule)
         if 8265 in ports:  # dashboard: job submission
             assert peers == operator
-        elif 10001 in ports:  # Ray client
-            assert components == {"learner", "eval"}
         else:
-            assert not ports and components <= {"rollout", "rollout-head"}
+            assert not ports and components <= {"rollout", "rollout-head"}, "only the Ray pods reach the head"
     cluster = rayservice(docs)["spec"]["rayClusterConfig"]
     assert cluster["authOptions"]["mode"] == "token", "Ray's dashboard and client port need a token"
     # The head runs no replica, so it does not hold the RLEP bearer token.
@@ -335,6 +354,29 @@ def test_network_policies_admit_only_callers_and_keep_ray_ports_closed(docs):
     assert not any(
         v.get("secret", {}).get("items", [{}])[0].get("key") == "auth-token" for v in head_pod.get("volumes", [])
     )
+
+
+def test_learner_and_eval_hold_no_ray_token_and_cannot_reach_the_ray_client_port(docs):
+    """Their start gate speaks RLEP's gRPC to the replicas: Ray's token (which runs code on the cluster) stays with
+    the Ray pods, and the Ray client port with them."""
+    ray_secret = "rlep-ray-auth"
+    assert ray_secret in by_kind(docs, "Secret")
+    callers = [t for t in pod_templates(docs) if component(t) in ("learner", "eval")]
+    assert {component(t) for t in callers} == {"learner", "eval"}
+    assert any(t["spec"].get("initContainers") for t in callers)
+    for template in callers:
+        spec = json.dumps(template["spec"])
+        assert ray_secret not in spec and "RAY_AUTH" not in spec, component(template)
+        volumes = {v["name"] for v in template["spec"]["volumes"]}
+        for init in template["spec"].get("initContainers", []):
+            assert {m["name"] for m in init["volumeMounts"]} <= volumes, (component(template), init["name"])
+    for policy in by_kind(docs, "NetworkPolicy").values():
+        target = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for rule in policy["spec"]["ingress"]:
+            if not peer_components(rule) & {"learner", "eval"}:
+                continue
+            ports = {p["port"] for p in rule.get("ports", [])}
+            assert target != "rollout-head" and 10001 not in ports, (target, rule)
 
 
 def test_supplied_secrets_render_identically_twice():

@@ -83,11 +83,6 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "rlep.fullname" . }}-replay:50062
 {{- end -}}
 
-{{/* The RayService's head Service (KubeRay keeps it pointed at the serving cluster): Ray client port. */}}
-{{- define "rlep.rayClientAddress" -}}
-ray://{{ include "rlep.fullname" . }}-rollout-head-svc:10001
-{{- end -}}
-
 {{/* The rollout replicas by DNS (NAME:PORT): a headless Service of the worker pods, each serving on rollout.port.
 The learner and eval resolve it again before every step / job (services/rollout/discovery.py). */}}
 {{- define "rlep.rolloutService" -}}
@@ -200,9 +195,10 @@ livenessProbe:
 {{- end -}}
 
 {{/*
-Init container that waits until the RayService's rollout replicas answer (files/resolve_rollout.py, through the
-Ray client and the application's registry). Where the replicas are is read again later, from DNS
-("rlep.rolloutService"). Argument: the root context. The pod needs the "scripts" volume ("rlep.scriptsVolume").
+Init container that waits until rollout.replicas replicas answer (files/wait_rollout.py): the replicas' headless
+Service ("rlep.rolloutService") must resolve to that many addresses, and each must answer GetStatus with RLEP's
+bearer token (over TLS when on), the check the learner makes before every step. No Ray client, no Ray token.
+Argument: the root context. The pod needs the "scripts" volume ("rlep.scriptsVolume") and the "auth-token" one.
 */}}
 {{- define "rlep.waitRollout" -}}
 - name: wait-rollout
@@ -210,18 +206,12 @@ Ray client and the application's registry). Where the replicas are is read again
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command:
     - python
-    - /etc/rlep/scripts/resolve_rollout.py
-    - --ray-address={{ include "rlep.rayClientAddress" . }}
-    - --app={{ .Values.rollout.appName }}
+    - /etc/rlep/scripts/wait_rollout.py
+    - --service={{ include "rlep.rolloutService" . }}
     - --expect={{ .Values.rollout.replicas }}
     - --wait-s={{ .Values.rollout.startupWaitSeconds }}
-  {{- $env := include "rlep.tlsEnv" . | fromYamlArray }}
-  {{- if .Values.rollout.rayAuth.enabled }}
-  {{- $tokenRef := dict "secretKeyRef" (dict "name" (include "rlep.rayAuthSecretName" .) "key" "auth_token") }}
-  {{- $env = concat (list (dict "name" "RAY_AUTH_MODE" "value" "token") (dict "name" "RAY_AUTH_TOKEN" "valueFrom" $tokenRef)) $env }}
-  {{- end }}
-  {{- with $env }}
-  # The Ray client's token (rollout.rayAuth); it health-checks the replicas (over TLS when on).
+    - --token-file={{ include "rlep.tokenPath" . }}
+  {{- with include "rlep.tlsEnv" . | fromYamlArray }}
   env:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -231,6 +221,7 @@ Ray client and the application's registry). Where the replicas are is read again
     {{- include "rlep.guaranteed" (dict "cpu" "250m" "memory" "512Mi" "gpus" 0) | nindent 4 }}
   volumeMounts:
     - { name: scripts, mountPath: /etc/rlep/scripts, readOnly: true }
+    - { name: auth-token, mountPath: /etc/rlep/secrets, readOnly: true }
     {{- include "rlep.tlsMount" . | nindent 4 }}
 {{- end -}}
 
