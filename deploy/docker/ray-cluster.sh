@@ -108,6 +108,8 @@ after=$(($(last_step) + 1))
 wait_for 'running || fail "training ended after the node stopped: $(tail -5 "$log")"; [ "$(last_step)" -ge "$after" ]' 900
 say "step $(last_step) done on the head's replica alone: docker start the worker node"
 docker start "$worker" >/dev/null
+wait_for '[ "$(alive_nodes)" = 2 ]' 600
+say "worker node rejoined the cluster; waiting for its replica"
 wait_for 'grep -q "bringing .* rollout replica(s) to version" "$log" || ! running' 1200
 grep -q "bringing .* rollout replica(s) to version" "$log" || fail "the rejoined replica was never brought to the learner's version"
 say "learner: $(grep -o 'bringing .* rollout replica(s) to version [0-9]*' "$log" | tail -1) (at step $(last_step))"
@@ -115,7 +117,18 @@ rejoined=$(($(last_step) + 3))
 wait_for 'running || fail "training ended: $(tail -5 "$log")"; [ "$(last_step)" -ge "$rejoined" ]' 600
 # The run is long enough for any rejoin time; it has shown what it had to: stop it (its step log is complete
 # up to here; a real run would go on, or resume from its last checkpoint).
-docker exec "$head" pkill -INT -f "rlep train" || true
+# The image has no procps (pkill): find `rlep train` by its command line and send it SIGINT.
+docker exec "$head" python -c "
+import os, signal
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+    except OSError:
+        continue
+    if len(argv) > 2 and argv[1].endswith(b'/rlep') and argv[2] == b'train':
+        os.kill(int(pid), signal.SIGINT)
+        print(f'SIGINT to rlep train (pid {pid})')
+" || fail "could not signal rlep train"
 wait "$train" || true
 say "training stopped after step $(last_step) (SIGINT)"
 
