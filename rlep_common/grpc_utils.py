@@ -293,20 +293,46 @@ def make_channel(
 ResponseT = TypeVar("ResponseT")
 
 
+# The longest wait between two tries of a server that does not answer (backoff doubles up to it).
+MAX_RETRY_DELAY_S = 5.0
+
+
 def call_with_retry(
-    call: Callable[..., ResponseT], request: Any, timeout_s: float, attempts: int = 3, backoff_s: float = 0.2
+    call: Callable[..., ResponseT],
+    request: Any,
+    timeout_s: float,
+    attempts: int = 3,
+    backoff_s: float = 0.2,
+    outage_s: float = 0.0,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ResponseT:
-    """Calls a unary RPC with a deadline, retrying only UNAVAILABLE and DEADLINE_EXCEEDED."""
-    for attempt in range(attempts):
+    """Calls a unary RPC with a deadline, retrying only UNAVAILABLE and DEADLINE_EXCEEDED.
+
+    Every failure is retried up to `attempts` tries in all. UNAVAILABLE (no server answers: one restarting, say)
+    is also retried for as long as `outage_s` allows from the first failure, so a caller rides out a restart of
+    bounded length; a DEADLINE_EXCEEDED costs a whole `timeout_s` and gets only the `attempts`.
+    """
+    first_failure: float | None = None
+    attempt = 0
+    while True:
         try:
             return call(request, timeout=timeout_s)
         except grpc.RpcError as err:
-            if err.code() not in RETRYABLE_CODES or attempt == attempts - 1:
+            if err.code() not in RETRYABLE_CODES:
                 raise
-            delay = backoff_s * (2**attempt) * (1 + random.random())
-            log.warning("%s: %s, retrying in %.2fs", err.code().name, err.details(), delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+            now = clock()
+            first_failure = now if first_failure is None else first_failure
+            outage_left = first_failure + outage_s - now if err.code() == grpc.StatusCode.UNAVAILABLE else 0.0
+            if attempt >= attempts - 1 and outage_left <= 0:
+                raise
+            delay = min(backoff_s * 2 ** min(attempt, 16), MAX_RETRY_DELAY_S) * (1 + random.random())
+            if attempt >= attempts - 1:  # past the plain tries: wait no longer than the outage budget has left
+                delay = min(delay, outage_left)
+            left = f"; {outage_left:.0f} s of a {outage_s:g}-s outage left" if outage_left > 0 else ""
+            log.warning("%s: %s, retrying in %.2fs%s", err.code().name, err.details(), delay, left)
+            sleep(delay)
+            attempt += 1
 
 
 def unknown_field_paths(message: Any, path: str = "") -> list[str]:

@@ -85,14 +85,14 @@ class ServiceStack:
         verifier_address = endpoints.verifier or self._start_actor(
             "verifier", {"num_workers": local.verifier_workers, "server": auth}
         )
-        verifier = VerifierClient(verifier_address, token=self.token)
+        verifier = VerifierClient(verifier_address, token=self.token, outage_s=endpoints.service_outage_s)
         self.addresses["verifier"] = verifier_address
         replay = None
         if need_replay:
             replay_address = endpoints.replay or self._start_actor(
                 "replay", {"redis_url": local.replay_redis_url, "server": auth}
             )
-            replay = ReplayClient(replay_address, token=self.token)
+            replay = ReplayClient(replay_address, token=self.token, outage_s=endpoints.service_outage_s)
             self.addresses["replay"] = replay_address
         self.services = ServiceClients(rollout=rollout, verifier=verifier, replay=replay)
         return self.services

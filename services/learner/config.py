@@ -19,8 +19,7 @@ from pydantic import Field, model_validator
 from rlep.common.algorithm import LossAgg
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.replay.client import Strategy
-from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig
-from rlep.services.rollout.replica_port import port_range_error
+from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, port_range_error
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
@@ -154,6 +153,9 @@ class EndpointsConfig(StrictModel):
     verifier: str | None = None
     replay: str | None = None
     auth_token_file: Path | None = None
+    service_outage_s: float = Field(120.0, ge=0)
+    """How long the learner waits out a verifier or replay service that does not answer (a container or pod
+    restarting): its calls are retried with backoff, each retry logged, and the run fails only after this long."""
 
 
 class LocalServicesConfig(StrictModel):

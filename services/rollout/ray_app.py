@@ -25,8 +25,7 @@ from pydantic import Field, model_validator
 from ray import serve
 
 from rlep.common.config import StrictModel, load_config
-from rlep.services.rollout.config import RolloutConfig
-from rlep.services.rollout.replica_port import port_range_error
+from rlep.services.rollout.config import RolloutConfig, port_range_error
 
 log = logging.getLogger(__name__)
 

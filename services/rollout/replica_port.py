@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-ANY_PORT = 0
+from rlep.services.rollout.config import port_range_error
+
+ANY_PORT = 0  # no fixed port: any free one
 
 
 class NoFreeReplicaPort(RuntimeError):
@@ -39,15 +41,6 @@ class PortClaim:
         if self.lock is not None:
             self.lock.close()  # closing the file drops the flock
             self.lock = None
-
-
-def port_range_error(base: int, slots: int) -> str | None:
-    """Why ports `base .. base + slots - 1` cannot hold a node's replicas; None when they fit (or base is 0)."""
-    if base == ANY_PORT:
-        return None
-    if slots < 1 or base + slots - 1 > 65535:
-        return f"ports {base}..{base + slots - 1} ({slots} replica slots per node from {base}) are not a valid range"
-    return None
 
 
 def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = None) -> PortClaim:

@@ -33,11 +33,14 @@ class VerifierClient:
         token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         chunk_items: int = DEFAULT_CHUNK_ITEMS,
+        outage_s: float = 0.0,
     ):
+        """`outage_s`: how long a call keeps retrying a server that does not answer (call_with_retry)."""
         self._channel = make_channel(address, token)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._timeout_s = timeout_s
         self._chunk_items = chunk_items
+        self._outage_s = outage_s
 
     def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyOutcome]:
         """Checks (response, ground_truth) pairs; outcomes in the same order."""
@@ -47,7 +50,7 @@ class VerifierClient:
             request = verifier_pb2.VerifyRequest(
                 items=[verifier_pb2.VerifyItem(response=r, ground_truth=g) for r, g in chunk]
             )
-            reply = call_with_retry(self._stub.Verify, request, self._timeout_s)
+            reply = call_with_retry(self._stub.Verify, request, self._timeout_s, outage_s=self._outage_s)
             outcomes.extend(
                 VerifyOutcome(r.reward, VERDICT_FROM_PROTO[r.verdict], r.extracted_answer, r.seconds)
                 for r in reply.results

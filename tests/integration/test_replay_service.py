@@ -309,3 +309,50 @@ def test_metrics_need_the_token(replay, auth_token_file):
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=10) as reply:
         assert reply.status == 200 and b"rlep_replay_requests_total" in reply.read()
+
+
+def test_a_client_with_an_outage_budget_rides_out_a_replay_restart(redis_url, auth_token_file, pool_name):
+    """The learner's replay client (endpoints.service_outage_s) waits for a restarting replay, not fails."""
+    import logging
+    import threading
+
+    from rlep.common.config import ServerConfig
+    from rlep.common.ports import free_port
+    from rlep.services.replay.client import ReplayClient
+    from rlep.services.replay.config import ReplayConfig
+    from rlep.services.replay.main import start_replay
+
+    config = ReplayConfig(server=ServerConfig(port=free_port(), auth_token_file=auth_token_file), redis_url=redis_url)
+    address, token = f"127.0.0.1:{config.server.port}", auth_token_file.read_text().strip()
+    first = start_replay(config)
+    patient = ReplayClient(address, token=token, outage_s=60.0)
+    patient.add(pool_name, [success("q", i) for i in range(3)])
+    first.stop()
+
+    with ReplayClient(address, token=token) as impatient, pytest.raises(grpc.RpcError) as failure:
+        impatient.stats(pool_name)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # Each retry is logged: the server comes back when the patient call has failed once and is waiting.
+    retrying = threading.Event()
+
+    class OnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retrying in" in record.getMessage():
+                retrying.set()
+
+    handler = OnRetry()
+    logging.getLogger("rlep.common.grpc_utils").addHandler(handler)
+    answer: list = []
+    caller = threading.Thread(target=lambda: answer.append(patient.stats(pool_name)))
+    try:
+        caller.start()
+        assert retrying.wait(30), "the call did not retry a server that was down"
+        second = start_replay(config)
+        caller.join(60)
+        assert not caller.is_alive(), "the call did not return after the server came back"
+        assert answer and answer[0].trajectories == 3
+        second.stop()
+    finally:
+        logging.getLogger("rlep.common.grpc_utils").removeHandler(handler)
+        patient.close()
