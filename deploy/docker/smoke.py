@@ -37,8 +37,9 @@ PORTS = [50061, 50062, 50063, 9461, 9462, 9463, 9464, 8080, 9090]
 JOBS = {"rlep-verifier", "rlep-replay", "rlep-rollout", "rlep-eval", "rlep-learner"}
 TOKEN_FILE = ROOT / "deploy/docker/secrets/auth-token"
 POOL = "smoke"
-# The learner serves /metrics only once its steps begin (after ~4 min of set-up here), and Prometheus scrapes
-# every 15 s: 15 steps (~3 s each with these sizes) keep its target up across a few scrapes.
+# The learner serves /metrics only once its steps begin, and Prometheus scrapes every 15 s. 15 steps take 15-45 s
+# here, which alone may fall between two scrapes (it did on a quiet host); the compose file's learner keeps
+# /metrics up 30 s after its last step (metrics_linger_s), so every run is scraped at least once.
 FIRST_STEPS, TOTAL_STEPS = 15, 25
 # rollout's first start builds the tiny model and compiles vLLM's CPU sampler (its start_period is 300 s);
 # on a loaded 2-core host that took minutes, so every wait is generous but finite.
@@ -250,7 +251,8 @@ def crash_replay_mid_run(log: Path) -> None:
     say(f"fault: SIGKILL to replay (host pid {pid}) after learner step {learner_log_steps()[-1]}")
     try:
         wait_learner(process, log, watch_scrapes=False)
-        say("fault: the learner carried on through replay's restart")
+        retries = [line for line in log.read_text().splitlines() if "outage left" in line]
+        say(f"fault: the learner carried on through replay's restart ({len(retries)} calls retried while it was down)")
     except SystemExit:
         error = [line for line in log.read_text().splitlines() if line.strip()][-1:]
         say(f"fault: the learner stopped at step {learner_log_steps()[-1]} ({error}); resuming from its checkpoint")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def run_training(
                     if config.checkpoint.dir:
                         trainer.save_checkpoint()
                     break
+        if metrics_server and config.metrics_linger_s:
+            log.info("training done: keeping /metrics up for %g s (metrics_linger_s)", config.metrics_linger_s)
+            time.sleep(config.metrics_linger_s)
         return records
     finally:
         if trainer is not None:

@@ -254,6 +254,9 @@ class TrainConfig(StrictModel):
     """Prometheus /metrics of the learner (9464 in deployments)."""
     metrics_host: str = "127.0.0.1"
     """Bind address of /metrics (0.0.0.0 in containers)."""
+    metrics_linger_s: float = Field(0.0, ge=0, le=3600)
+    """After the last step, keep /metrics up this long, so that Prometheus scrapes a short job's final figures:
+    more than one scrape interval (the compose file sets 30 s against Prometheus' 15 s)."""
     metrics_tls: TlsFiles = TlsFiles()
     """Certificate and key of /metrics: with both set it serves HTTPS only (as every service's port can)."""
 

@@ -179,6 +179,50 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     assert all(r.policy_staleness_max == 0 and r.groups_dropped_stale == 0 for r in log)  # synchronous steps
 
 
+def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path):
+    """A short job's final figures stay scrapable after its last step (Prometheus scrapes every 15-30 s)."""
+    import logging
+    import threading
+    import urllib.error
+
+    from rlep.services.cli.run import run_training
+    from tests.conftest import free_port
+    from tests.metrics_util import scrape, series_value
+
+    rows = arithmetic_parquet(tmp_path / "train.parquet", 8)
+    config = train_config(tmp_path, tmp_path / "train.parquet").model_copy(
+        update={"steps": 1, "metrics_port": free_port(), "metrics_linger_s": 5.0}
+    )
+    seed_pool(loop_stack, config.replay_pool, rows)
+    lingering = threading.Event()
+
+    class OnLinger(logging.Handler):  # run_training announces the linger once the step loop has ended
+        def emit(self, record: logging.LogRecord) -> None:
+            if "keeping /metrics up" in record.getMessage():
+                lingering.set()
+
+    handler, logger = OnLinger(), logging.getLogger("rlep.services.cli.run")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    records: list = []
+    training = threading.Thread(
+        target=lambda: records.extend(run_training(config, stack=loop_stack, show_progress=False))
+    )
+    try:
+        training.start()
+        while not lingering.wait(1):
+            assert training.is_alive(), "run_training ended without keeping /metrics up"
+        assert series_value(scrape(config.metrics_port), "rlep_learner_step") == 1  # after the last step
+        training.join(120)
+        assert not training.is_alive() and [r.step for r in records] == [1]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    with pytest.raises(urllib.error.URLError):
+        scrape(config.metrics_port)  # the server stops when the linger ends
+
+
 def test_overlapped_steps_train_on_samples_one_version_old(loop_stack, tmp_path):
     """max_staleness=1 on the real stack: after the first step, each step's samples were generated while the
     previous step trained (one version old), replay is mixed in as before, and the replicas end on the last push."""

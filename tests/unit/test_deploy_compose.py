@@ -99,7 +99,17 @@ def test_services_reach_each_other_by_compose_name(compose):
         "checkpoint.dir": "/checkpoints",
         "metrics_host": "0.0.0.0",
         "metrics_port": "9464",
+        "metrics_linger_s": "30",
     }
+
+
+def test_the_learner_job_outlives_its_last_step_by_more_than_a_scrape_interval(compose):
+    """A short learner job's final figures reach Prometheus (metrics_linger_s against scrape_interval)."""
+    command = compose["services"]["learner"]["command"]
+    linger = float(next(arg for arg in command if arg.startswith("--set=metrics_linger_s=")).split("=")[-1])
+    prometheus = yaml.safe_load((REPO_ROOT / "deploy/monitoring/prometheus.yml").read_text())
+    interval = float(prometheus["global"]["scrape_interval"].removesuffix("s"))
+    assert linger > interval
 
 
 def test_prometheus_and_grafana_mount_the_shipped_monitoring_files(compose):

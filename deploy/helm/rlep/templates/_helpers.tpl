@@ -261,7 +261,7 @@ data volume's mount; checkpoints go to /checkpoints/<run_id> on the checkpoint v
 {{- $deepspeed := dict "num_processes" (int $l.processes) }}
 {{- /* Ray resources of each DeepSpeed process in the pod's own Ray: the GPUs the pod was given. */ -}}
 {{- $local := dict "learner_gpus" $l.gpusPerProcess }}
-{{- $train := dict "run_id" $runId "endpoints" $endpoints "deepspeed" $deepspeed "local" $local "data" $data "checkpoint" (dict "dir" (printf "/checkpoints/%s" $runId)) "metrics_host" "0.0.0.0" "metrics_port" 9464 }}
+{{- $train := dict "run_id" $runId "endpoints" $endpoints "deepspeed" $deepspeed "local" $local "data" $data "checkpoint" (dict "dir" (printf "/checkpoints/%s" $runId)) "metrics_host" "0.0.0.0" "metrics_port" 9464 "metrics_linger_s" 60 }}
 {{- with include "rlep.modelPath" . }}{{- $_ := set $train "model" . }}{{- end }}
 {{- if .Values.tls.secretName }}{{- $_ := set $train "metrics_tls" (include "rlep.tlsServerFields" . | fromYaml) }}{{- end }}
 {{- toYaml (mergeOverwrite $train (deepCopy $l.config)) }}
