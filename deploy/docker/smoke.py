@@ -40,7 +40,8 @@ POOL = "smoke"
 # The learner serves /metrics only once its steps begin, and Prometheus scrapes every 15 s. 15 steps take 15-45 s
 # here, which alone may fall between two scrapes (it did on a quiet host); the compose file's learner keeps
 # /metrics up 30 s after its last step (metrics_linger_s), so every run is scraped at least once.
-FIRST_STEPS, TOTAL_STEPS = 15, 25
+# The resumed run's 45 steps leave it many steps, each sampling replay, after replay is killed.
+FIRST_STEPS, TOTAL_STEPS = 15, 60
 # rollout's first start builds the tiny model and compiles vLLM's CPU sampler (its start_period is 300 s);
 # on a loaded 2-core host that took minutes, so every wait is generous but finite.
 HEALTHY_TIMEOUT_S = 900
@@ -243,7 +244,7 @@ def crash_replay_mid_run(log: Path) -> None:
     while len(learner_log_steps()) <= len(before):
         if process.poll() is not None or time.monotonic() - start > LEARNER_TIMEOUT_S:
             fail(f"the resumed learner logged no step; tail: {log.read_text()[-3000:]}")
-        time.sleep(3)
+        time.sleep(0.5)  # steps take about a second: kill early in the run
     replay = container("replay")
     restarts = int(inspect(replay, "{{.RestartCount}}"))
     pid = inspect(replay, "{{.State.Pid}}")
@@ -252,6 +253,8 @@ def crash_replay_mid_run(log: Path) -> None:
     try:
         wait_learner(process, log, watch_scrapes=False)
         retries = [line for line in log.read_text().splitlines() if "outage left" in line]
+        if not retries:
+            fail("the learner never called replay while it was down: the fault tested nothing")
         say(f"fault: the learner carried on through replay's restart ({len(retries)} calls retried while it was down)")
     except SystemExit:
         error = [line for line in log.read_text().splitlines() if line.strip()][-1:]
