@@ -7,7 +7,6 @@ tests/unit/test_rollout_discovery.py). The script runs once as the init containe
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -20,8 +19,8 @@ from rlep.common.grpc_utils import BearerAuthInterceptor
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.conftest import free_port
 from tests.unit.test_helm_chart import CHART, load_wait_rollout
+from tests.unit.test_rollout_discovery import POD_IPS, FakeDns
 
-POD_IPS = ("127.0.0.1", "127.0.0.2")  # all of 127/8 is loopback on Linux
 TOKEN = "s3cret-token"
 SCRIPT = CHART / "files" / "wait_rollout.py"
 
@@ -50,18 +49,6 @@ def serve(address: str, replica: FakeReplica, token: str = TOKEN) -> grpc.Server
     server.add_insecure_port(address)
     server.start()
     return server
-
-
-class FakeDns:
-    """getaddrinfo over a record set the test changes, as worker pods join the headless Service."""
-
-    def __init__(self, *ips: str):
-        self.ips = list(ips)
-
-    def __call__(self, host, port, type=0):  # noqa: A002 - getaddrinfo's parameter name
-        if not self.ips:
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in self.ips]
 
 
 @pytest.fixture
