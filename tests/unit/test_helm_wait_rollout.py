@@ -7,6 +7,7 @@ tests/unit/test_rollout_discovery.py). The script runs once as the init containe
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,53 @@ def serve(address: str, replica: FakeReplica, token: str = TOKEN) -> grpc.Server
     server.add_insecure_port(address)
     server.start()
     return server
+
+
+def test_gate_waits_for_enough_answering_replicas_and_gives_up_at_its_bound(capsys):
+    """Worker pods join the replicas' Service once Ray runs in them, before their replica has loaded the model:
+    the gate must wait for `--expect` addresses that also answer, and give up at the bound."""
+    gate = load_wait_rollout()
+    service = "rlep-rollout-replicas:50063"
+    now = [0.0]
+    # What each look sees: (pod IPs in DNS, IPs whose replica answers).
+    looks = iter(
+        [
+            ([], []),  # no Ready worker pod yet: NXDOMAIN
+            (["10.0.0.1"], ["10.0.0.1"]),  # one pod of two, its replica answering
+            (["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]),  # both pods, one replica still loading
+            (["10.0.0.2", "10.0.0.1"], ["10.0.0.1", "10.0.0.2"]),
+        ]
+    )
+    answering: list[str] = []
+
+    def resolve(host, port, type=0):  # noqa: A002 - getaddrinfo's parameter name
+        assert (host, port) == ("rlep-rollout-replicas", 50063)
+        ips, up = next(looks)
+        answering[:] = [f"{ip}:{port}" for ip in up]
+        if not ips:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
+
+    def check(addresses):
+        return [a for a in addresses if a in answering]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    found = gate.wait_for_replicas(service, 2, 1800.0, check, resolve, sleep, clock=lambda: now[0])
+    assert found == ["10.0.0.1:50063", "10.0.0.2:50063"] and now[0] == 3 * gate.RETRY_INTERVAL_S
+    progress = capsys.readouterr().out.splitlines()
+    assert len(progress) == 3 and all(
+        line.startswith(f"waiting for 2 rollout replicas at {service}:") for line in progress
+    )
+    assert "no address" in progress[0] and "not answering ['10.0.0.2:50063']" in progress[2]
+
+    # A replica that never answers: it gives up at the bound, naming what it saw last.
+    looks = iter(lambda: (["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]), None)
+    now[0] = 0.0
+    with pytest.raises(SystemExit, match=r"within 60 s: 2 resolve, 1 answer .*not answering \['10.0.0.2:50063'\]"):
+        gate.wait_for_replicas(service, 2, 60.0, check, resolve, sleep, clock=lambda: now[0])
+    assert 60.0 <= now[0] < 60.0 + 2 * gate.RETRY_INTERVAL_S
 
 
 @pytest.fixture
