@@ -1,9 +1,8 @@
-"""Shared fixtures: free ports, the shared data sets, and expensive servers started once per session."""
+"""Shared fixtures: free ports, the test data slices (tests/data/), and expensive servers started once per session."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,7 @@ import pytest
 from rlep.common.ports import free_port  # noqa: F401 - tests import it from here
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = Path(os.environ.get("RLEP_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not (SHARED_DATA / "math500.jsonl").exists():
-        pytest.fail(f"the shared data sets are expected at {SHARED_DATA} (a clone sits beside shared/)")
-    return SHARED_DATA
+TEST_DATA = REPO_ROOT / "tests" / "data"  # small slices of public data sets, see its README.md
 
 
 def read_jsonl(path: Path) -> list[dict]:

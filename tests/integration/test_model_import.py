@@ -10,11 +10,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from rlep.services.cli.app import app
+from tests.conftest import TEST_DATA
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_converted_model_chats_and_answers(smollm2_dir, shared_data):
+def test_converted_model_chats_and_answers(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlep.services.learner.data import load_questions
@@ -22,7 +23,7 @@ def test_converted_model_chats_and_answers(smollm2_dir, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     assert tokenizer.chat_template and (smollm2_dir / "chat_template.jinja").exists()
-    question = load_questions([shared_data / "dapo_math_17k.parquet"])[0]
+    question = load_questions([TEST_DATA / "dapo_math_17k.parquet"])[0]
     text = tokenizer.apply_chat_template(question.chat(), add_generation_prompt=True, tokenize=False)
     assert question.messages[-1][1] in text and text.endswith("<|im_start|>assistant\n")
 

@@ -13,15 +13,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from rlep.common.dataset import question_id
 from rlep.common.grpc_utils import make_channel
 from rlep.services.replay.client import ReplayClient
-from tests.conftest import free_port
+from tests.conftest import TEST_DATA, free_port
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 
 pytestmark = pytest.mark.integration
 
 
-def make_pool_parquet(shared_data, path, rows: int = 40) -> list[dict]:
+def make_pool_parquet(path, rows: int = 40) -> list[dict]:
     """A file in RLEP's released format: real DAPO-17k rows plus candidate solutions."""
-    table = pq.read_table(shared_data / "dapo_math_17k.parquet").slice(0, rows).to_pylist()
+    table = pq.read_table(TEST_DATA / "dapo_math_17k.parquet").slice(0, rows).to_pylist()
     for i, row in enumerate(table):
         gold = row["reward_model"]["ground_truth"]
         row["reward_model"]["candidates"] = [
@@ -35,8 +35,8 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([*rlep_command(), *args], capture_output=True, text=True, check=check, timeout=120)
 
 
-def test_embedded_replay_with_pool_cli_round_trip(tmp_path, shared_data):
-    rows = make_pool_parquet(shared_data, tmp_path / "pool.parquet")
+def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
+    rows = make_pool_parquet(tmp_path / "pool.parquet")
     port = free_port()
     proc = subprocess.Popen(
         [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={tmp_path / 'redis'}"],

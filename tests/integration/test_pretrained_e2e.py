@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from rlep.common.config import ServerConfig
 from rlep.services.cli.app import app
 from rlep.services.learner.records import read_step_log
+from tests.conftest import TEST_DATA
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,8 +39,8 @@ def candidate_texts(truth: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def dapo_rows(shared_data) -> list[dict]:
-    return pq.read_table(shared_data / "dapo_math_17k.parquet").slice(0, QUESTIONS).to_pylist()
+def dapo_rows() -> list[dict]:
+    return pq.read_table(TEST_DATA / "dapo_math_17k.parquet").slice(0, QUESTIONS).to_pylist()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from rlep.common.grpc_utils import make_channel
 from rlep.common.types import Verdict
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from tests.conftest import read_jsonl
+from tests.conftest import TEST_DATA, read_jsonl
 from tests.metrics_util import series_value, service_labels
 
 pytestmark = pytest.mark.integration
@@ -39,11 +39,11 @@ NOT_EQUIVALENT = [
 ]
 
 
-def real_answer_pairs(shared_data) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Right and wrong responses built from real AIME/AMC/MATH-500 gold answers."""
+def real_answer_pairs() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Right and wrong responses built from the 600 real AIME/AMC/MATH-500 gold answers in tests/data/."""
     right, wrong = [], []
     for name in ("aime24", "aime25", "amc23", "math500"):
-        rows = read_jsonl(shared_data / f"{name}.jsonl")
+        rows = read_jsonl(TEST_DATA / f"{name}.jsonl")
         answers = [str(r["answer"]) for r in rows]
         for gold in answers:
             right.append((f"Let me work it out step by step... so the result is $\\boxed{{{gold}}}$.", gold))
@@ -59,8 +59,8 @@ def fresh_correct_items(first: int, count: int) -> list[tuple[str, str]]:
     return [(f"so \\boxed{{{i}/7}}", f"\\frac{{{i}}}{{7}}") for i in range(first, first + count)]
 
 
-def test_real_answers_are_judged_right_and_wrong(verifier_client, shared_data):
-    right, wrong = real_answer_pairs(shared_data)
+def test_real_answers_are_judged_right_and_wrong(verifier_client):
+    right, wrong = real_answer_pairs()
     assert len(right) == 600 and len(wrong) > 300
     outcomes = verifier_client.verify(right + wrong)
     right_verdicts = [o.verdict for o in outcomes[: len(right)]]

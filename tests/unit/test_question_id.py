@@ -9,6 +9,7 @@ import pytest
 from rlep.common.dataset import question_id
 from rlep.common.pool_parquet import read_pool_rows
 from rlep.services.learner.data import load_questions
+from tests.conftest import TEST_DATA
 
 
 def test_id_ignores_data_source_whitespace_and_unicode_form():
@@ -19,9 +20,9 @@ def test_id_ignores_data_source_whitespace_and_unicode_form():
     assert question_id(base) != question_id([{"role": "user", "content": "Find $y$ if $y^2 = 4$."}])
 
 
-def test_released_pool_spelling_matches_dapo17k_training_rows(tmp_path, shared_data):
+def test_released_pool_spelling_matches_dapo17k_training_rows(tmp_path):
     """RLEP's pool says `dapo_math` where DAPO-17k says `DAPO-17k`: the same prompts must share ids."""
-    rows = pq.read_table(shared_data / "dapo_math_17k.parquet").slice(0, 40).to_pylist()
+    rows = pq.read_table(TEST_DATA / "dapo_math_17k.parquet").slice(0, 40).to_pylist()
     assert {r["data_source"] for r in rows} == {"DAPO-17k"}
     released = [
         {
