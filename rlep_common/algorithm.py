@@ -174,7 +174,7 @@ def policy_loss(
     agg: LossAgg = "token-mean",
     normalizer: float | None = None,
     token_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO's clipped policy-gradient loss with dual-clip (RLEP eq. 3/4, verl `compute_policy_loss`).
 
     Args:
@@ -190,7 +190,7 @@ def policy_loss(
             `behavior_weights` for AReaL's decoupled objective; None = 1 everywhere.
 
     Returns:
-        `(loss, metrics)`: a scalar loss to minimise and floats `clip_fraction` (tokens where the
+        `(loss, metrics)`: a scalar loss to minimise and detached 0-dim tensors `clip_fraction` (tokens where the
         ratio clip is active), `clip_fraction_dual` (tokens where the dual clip is active),
         `approx_kl` (mean of old - new logprob) and `ratio_mean`, all over unmasked tokens.
     """
@@ -220,12 +220,12 @@ def policy_loss(
         per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors on the loss's device: reading them is the caller's (one sync per read)
         metrics = {
-            "clip_fraction": _safe_mean((clipped > unclipped).to(mask.dtype), mask).item(),
-            "clip_fraction_dual": _safe_mean(((ppo_loss > dual_bound) & (adv < 0)).to(mask.dtype), mask).item(),
-            "approx_kl": _safe_mean(-log_ratio, mask).item(),
-            "ratio_mean": _safe_mean(ratio, mask).item(),
+            "clip_fraction": _safe_mean((clipped > unclipped).to(mask.dtype), mask),
+            "clip_fraction_dual": _safe_mean(((ppo_loss > dual_bound) & (adv < 0)).to(mask.dtype), mask),
+            "approx_kl": _safe_mean(-log_ratio, mask),
+            "ratio_mean": _safe_mean(ratio, mask),
         }
     return loss, metrics
 

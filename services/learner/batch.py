@@ -15,8 +15,8 @@ an HF causal LM that way; `token_logprobs` / `token_entropy` are the full-vocabu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -61,6 +61,16 @@ class ExperienceBatch:
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[index, : length - 1],
             behavior_logprobs=(None if self.behavior_logprobs is None else self.behavior_logprobs[index, : length - 1]),
         )
+
+    def to(self, device: torch.device) -> ExperienceBatch:
+        """The batch's tensors on `device`; to CUDA through pinned memory, without waiting for the copies."""
+        if device.type == "cpu":
+            return self
+
+        def move(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.pin_memory().to(device, non_blocking=True)
+
+        return ExperienceBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     def with_old_logprobs(self, old_logprobs: Tensor) -> ExperienceBatch:
         if old_logprobs.shape != self.loss_mask.shape:
@@ -136,11 +146,6 @@ def mini_batches(size: int, count: int, generator: torch.Generator | None = None
     """Splits row indices [0, size) into `count` nearly equal mini-batches (shuffled when a generator is given)."""
     order = torch.randperm(size, generator=generator) if generator is not None else torch.arange(size)
     return [chunk for chunk in torch.tensor_split(order, min(count, size)) if chunk.numel()]
-
-
-def micro_batches(rows: Tensor, micro_size: int) -> Iterator[Tensor]:
-    for start in range(0, rows.numel(), micro_size):
-        yield rows[start : start + micro_size]
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:

@@ -111,7 +111,12 @@ class OptimConfig(StrictModel):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward; gradients accumulate up to the mini-batch."""
+    """Sequences per forward/backward at most; gradients accumulate up to the mini-batch."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Token budget of a forward/backward (verl's `ppo_max_token_len_per_gpu` with `use_dynamic_bsz`): rows,
+    longest first, share a micro-batch while rows x its longest row <= this (a longer row runs alone), up to
+    `micro_batch_size` rows. None = `micro_batch_size` rows. Rows are sorted by length either way
+    (micro_batch_plan.py), so padding stays small; the gradient does not depend on the split."""
 
 
 class DeepSpeedConfig(StrictModel):
@@ -125,6 +130,11 @@ class DeepSpeedConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (HF gradient checkpointing): less memory
     per micro-batch for about one more forward pass of compute."""
+    adam: Literal["auto", "torch", "deepspeed"] = "auto"
+    """The AdamW implementation (deepspeed_setup.py). `auto`: DeepSpeed's FusedAdam on CUDA and its CPU Adam under
+    `offload_optimizer`, where the op is prebuilt or can be JIT-built here, else PyTorch's fused AdamW; on a CPU
+    machine without offload PyTorch's AdamW. `torch`: PyTorch's AdamW always (fused on CUDA or under offload).
+    `deepspeed`: DeepSpeed's op or fail."""
 
 
 class CheckpointConfig(StrictModel):
@@ -177,8 +187,9 @@ class LocalServicesConfig(StrictModel):
     """Redis of the replay service; None = the embedded redis-server under ~/.cache/rlep/redis."""
     learner_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per learner process."""
-    learner_gpus: float | None = Field(None, ge=0)
-    """Ray GPUs per learner process; None = 1 when the machine starting the run has a GPU, else 0."""
+    learner_gpus: float | None = Field(None, ge=0, le=1)
+    """Ray GPUs per learner process (one process drives one GPU: more GPUs = more `deepspeed.num_processes`);
+    None = 1 when the Ray cluster has GPUs, else 0. A fraction lets a single learner process share its GPU."""
 
     @model_validator(mode="after")
     def _rollout_ports_fit(self) -> LocalServicesConfig:
@@ -266,6 +277,12 @@ class TrainConfig(StrictModel):
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")
         if self.algorithm.overlong_buffer_tokens > self.algorithm.max_response_tokens:
             raise ValueError("algorithm.overlong_buffer_tokens cannot exceed algorithm.max_response_tokens")
+        gpus, processes = self.local.learner_gpus, self.deepspeed.num_processes
+        if gpus is not None and 0 < gpus < 1 and processes > 1:
+            raise ValueError(
+                f"local.learner_gpus={gpus} would put {processes} learner processes on shared GPUs, which NCCL refuses "
+                "(Duplicate GPU detected): give each process a whole GPU (learner_gpus: 1) or use one process"
+            )
         algo = self.algorithm
         if algo.behavior_correction == "truncated_is" and not algo.untempered:
             raise ValueError(

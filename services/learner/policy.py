@@ -21,24 +21,34 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlep.common.algorithm import behavior_weights, mini_batch_normalizer, policy_loss, warmup_lr
-from rlep.services.learner.batch import ExperienceBatch, ScoringModel, micro_batches, mini_batches
+from rlep.services.learner.batch import ExperienceBatch, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.deepspeed_setup import (
+    choose_adam,
+    deepspeed_config,
+    deepspeed_op_ready,
+    init_distributed,
+    load_model,
+)
+from rlep.services.learner.micro_batch_plan import MicroBatch, plan_micro_batches
 from rlep.services.learner.weight_push import WeightPusher
 from rlep.services.rollout.client import PushResult, ReplicaTarget
 from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
 from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.payload import TensorInfo
 
+__all__ = ["DeepSpeedPolicy", "checkpoint_dtype", "copy_tokenizer_files", "init_distributed"]
+
 log = logging.getLogger(__name__)
 
-TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The update's statistics, summed on the device over micro-batches and read back once per update.
+STAT_KEYS = ("loss", "clip_fraction", "clip_fraction_dual", "approx_kl", "entropy", "tokens")
 
 # Tokenizer files of an HF checkpoint, copied byte for byte into saved checkpoints: recent transformers
 # keeps the chat template in chat_template.jinja (older ones inside tokenizer_config.json). Re-saving
@@ -58,58 +68,10 @@ TOKENIZER_FILES = (
 )
 
 
-def deepspeed_config(config: TrainConfig, world_size: int) -> dict[str, Any]:
-    optim, ds = config.optim, config.deepspeed
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
-    if ds.zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0  # really partition small models too
-    if ds.offload_optimizer and ds.zero_stage > 0:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    config_dict: dict[str, Any] = {
-        # Boundaries are set by hand per mini-batch; DeepSpeed's own count only has to be consistent.
-        "train_micro_batch_size_per_gpu": optim.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": optim.micro_batch_size * world_size,
-        "gradient_clipping": optim.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": optim.lr,
-                "betas": list(optim.betas),
-                "weight_decay": optim.weight_decay,
-                "torch_adam": True,  # DeepSpeed's fused CPU Adam needs a ~6 min JIT build
-            },
-        },
-        "bf16": {"enabled": ds.dtype == "bf16"},
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    # No DeepSpeed scheduler: it counts optimizer steps, and warm-up counts training steps.
-    return config_dict
-
-
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    import deepspeed
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-        }
-    )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
-
 class DeepSpeedPolicy:
     def __init__(self, model_dir: Path, config: TrainConfig, rank: int = 0, world_size: int = 1):
         import deepspeed
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         torch.manual_seed(config.seed)
         self.config, self.rank, self.world_size = config, rank, world_size
@@ -117,14 +79,17 @@ class DeepSpeedPolicy:
         # Pushed weights must match the checkpoint the rollout workers loaded, dtype included. Read it
         # from the config before loading: loading in another dtype rewrites `model.config.dtype`.
         self.checkpoint_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TRAIN_DTYPES[ds.dtype])
-        if ds.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        offload = ds.offload_optimizer and ds.zero_stage > 0
+        self.adam = choose_adam(ds.adam, torch.cuda.is_available(), offload, deepspeed_op_ready)
+        ds_config = deepspeed_config(config, world_size, self.adam)
+        model = load_model(model_dir, config, ds_config)
         self.tied = bool(model.config.tie_word_embeddings)
         scorer = ScoringModel(model)  # forwards run with use_cache=False
         self.engine, _, _, _ = deepspeed.initialize(
-            model=scorer, model_parameters=list(scorer.parameters()), config=deepspeed_config(config, world_size)
+            model=scorer, model_parameters=list(scorer.parameters()), config=ds_config
         )
+        self.device: torch.device = torch.device(self.engine.device)
+        log.info("learner rank %d on %s, %s AdamW, ZeRO-%d", rank, self.device, self.adam, ds.zero_stage)
         self.shuffle = torch.Generator().manual_seed(config.seed + 1)
         self.optimizer_steps = 0
         self.training_steps = 0  # `update` calls: the warm-up clock
@@ -138,14 +103,32 @@ class DeepSpeedPolicy:
     # -- forward passes ----------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
-        """`[N, L-1]` logprobs of every next token under the current weights (masked positions included)."""
+        """`[N, L-1]` logprobs of every next token under the current weights: prompt positions included, 0 where
+        the next token is padding.
+
+        Each process scores its own share of the rows; the shares are summed over processes (each row is
+        non-zero on one process only), so every process returns the whole tensor, on the host.
+        """
         self.engine.eval()
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        for rows in micro_batches(torch.arange(batch.size), self.config.optim.micro_batch_size):
-            sub = batch.select(rows)
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        for rows, scale in self._micro_batches(batch, torch.arange(batch.size)):
+            sub = batch.select(rows).to(self.device)
             logprobs, _ = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False)
-            out[rows, : sub.loss_mask.shape[1]] = logprobs
-        return out
+            if scale:  # padding positions get 0, so the result does not depend on which rows shared a pass
+                out[rows.to(self.device), : sub.loss_mask.shape[1]] = logprobs * sub.attention_mask[:, 1:]
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(out)
+        return out.cpu()
+
+    def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[MicroBatch]:
+        """This process's micro-batches of `rows` (micro_batch_plan.py): by length, within the row and token caps."""
+        optim = self.config.optim
+        lengths = batch.attention_mask.sum(dim=1)
+        return plan_micro_batches(
+            rows, lengths, self.rank, self.world_size, optim.micro_batch_size, optim.micro_batch_tokens
+        )
 
     # -- update ------------------------------------------------------------------------------
     def update(self, batch: ExperienceBatch, rows_per_mini_batch: int) -> dict[str, float]:
@@ -154,28 +137,29 @@ class DeepSpeedPolicy:
         Returns the step's statistics: `loss` is the mean over its optimizer steps of each mini-batch's
         loss (as computed on the mini-batch in one piece); `clip_fraction*`, `approx_kl` and `entropy`
         are means over all response tokens seen; `lr` is the lr every optimizer step of it used.
+        Statistics are summed on the device and read back once, at the end.
         """
         if batch.old_logprobs is None:
             raise ValueError("old logprobs must be computed before the update")
         algo = self.config.algorithm
         lr = self._set_lr()
         self.engine.train()
-        sums = dict.fromkeys(("loss", "clip_fraction", "clip_fraction_dual", "approx_kl", "entropy", "tokens"), 0.0)
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         count = max(1, round(batch.size / rows_per_mini_batch))
         steps = 0
         for _ in range(algo.ppo_epochs):
             for mini in mini_batches(batch.size, count, self.shuffle):
-                self._train_mini_batch(batch, mini, sums)
+                sums += self._train_mini_batch(batch, mini)
                 steps += 1
         self.training_steps += 1
-        sums = self._sum_over_processes(sums)
-        tokens = sums["tokens"] or 1.0
+        totals = dict(zip(STAT_KEYS, self._sum_over_processes(sums), strict=True))
+        tokens = totals["tokens"] or 1.0
         return {
-            "loss": sums["loss"] / steps,
-            "clip_fraction": sums["clip_fraction"] / tokens,
-            "clip_fraction_dual": sums["clip_fraction_dual"] / tokens,
-            "approx_kl": sums["approx_kl"] / tokens,
-            "entropy": sums["entropy"] / tokens,
+            "loss": totals["loss"] / steps,
+            "clip_fraction": totals["clip_fraction"] / tokens,
+            "clip_fraction_dual": totals["clip_fraction_dual"] / tokens,
+            "approx_kl": totals["approx_kl"] / tokens,
+            "entropy": totals["entropy"] / tokens,
             "lr": lr,
             "optimizer_steps": float(self.optimizer_steps),
         }
@@ -188,17 +172,21 @@ class DeepSpeedPolicy:
             group["lr"] = lr
         return float(self.engine.get_lr()[0])
 
-    def _train_mini_batch(self, batch: ExperienceBatch, mini: torch.Tensor, sums: dict[str, float]) -> None:
+    def _train_mini_batch(self, batch: ExperienceBatch, mini: torch.Tensor) -> torch.Tensor:
         """Accumulates this process's share of one mini-batch's gradient, then takes one optimizer step.
 
-        Adds to `sums` this process's share of the mini-batch's loss (the shares of all processes
-        add up to the loss of the mini-batch in one piece) and token-weighted sums of the statistics.
+        Returns, on the device and in `STAT_KEYS` order, this process's share of the mini-batch's loss (the
+        shares of all processes add up to the loss of the mini-batch in one piece) and token-weighted sums
+        of the statistics.
         """
         algo = self.config.algorithm
         normalizer = mini_batch_normalizer(batch.loss_mask[mini], algo.loss_agg, self.world_size)
-        micros = self._my_micro_batches(mini)
-        for i, (rows, weight_scale) in enumerate(micros):
-            sub = batch.select(rows)
+        micros = self._micro_batches(batch, mini)
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
+        for i, (rows, scale) in enumerate(micros):
+            host = batch.select(rows)
+            tokens = float(host.loss_mask.sum()) * scale  # counted on the host copy: no device sync
+            sub = host.to(self.device)
             new, entropy = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask)
             loss, stats = policy_loss(
                 new,
@@ -213,16 +201,20 @@ class DeepSpeedPolicy:
                 token_weights=self._token_weights(sub),
             )
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
-            self.engine.backward(loss * weight_scale, scale_wrt_gas=False)
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
             self.engine.step()
-            weight = float(sub.loss_mask.sum().item()) * weight_scale
-            sums["tokens"] += weight
             # Each micro-batch's loss is its part of the mini-batch's loss times world_size.
-            sums["loss"] += loss.item() * weight_scale / self.world_size
-            for key in ("clip_fraction", "clip_fraction_dual", "approx_kl"):
-                sums[key] += stats[key] * weight
-            sums["entropy"] += float((entropy * sub.loss_mask).sum().item()) * weight_scale
+            parts = [
+                loss.detach() * (scale / self.world_size),
+                stats["clip_fraction"] * tokens,
+                stats["clip_fraction_dual"] * tokens,
+                stats["approx_kl"] * tokens,
+                (entropy * sub.loss_mask).sum() * scale,
+                torch.tensor(tokens, device=self.device),
+            ]
+            sums += torch.stack([p.to(torch.float64) for p in parts])
         self.optimizer_steps += 1
+        return sums
 
     def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
         """`truncated_is`: pi_old / pi_sampler per token, truncated (README, *Overlap*); otherwise None."""
@@ -231,27 +223,14 @@ class DeepSpeedPolicy:
             return None
         return behavior_weights(sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
 
-    def _sum_over_processes(self, sums: dict[str, float]) -> dict[str, float]:
-        """Each process saw its share of the rows: the step's statistics are sums over all processes."""
-        if self.world_size == 1:
-            return sums
-        import torch.distributed as dist
+    def _sum_over_processes(self, sums: torch.Tensor) -> list[float]:
+        """Each process saw its share of the rows: the step's statistics are sums over all processes. The
+        collective runs on the backend's device (NCCL: this GPU; gloo: the CPU); one read back to the host."""
+        if self.world_size > 1:
+            import torch.distributed as dist
 
-        totals = torch.tensor(list(sums.values()), dtype=torch.float64)
-        dist.all_reduce(totals)
-        return dict(zip(sums, totals.tolist(), strict=True))
-
-    def _my_micro_batches(self, mini: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
-        """This process's rows of a mini-batch as (rows, loss scale) micro-batches.
-
-        Every process must run the same number of backward passes (gradient collectives pair up);
-        a process left without rows runs one row with its loss scaled to zero.
-        """
-        mine = mini[self.rank :: self.world_size]
-        per_process = -(-mini.numel() // self.world_size)
-        count = max(1, -(-per_process // self.config.optim.micro_batch_size))
-        chunks = [c for c in torch.tensor_split(mine, count)]
-        return [(c, 1.0) if c.numel() else (mini[:1], 0.0) for c in chunks]
+            dist.all_reduce(sums)
+        return sums.tolist()
 
     # -- weights and checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -311,6 +290,13 @@ class DeepSpeedPolicy:
         self.training_steps = int(client_state.get("training_steps", 0))
         if "shuffle_rng" in client_state:
             self.shuffle.set_state(client_state["shuffle_rng"])
+        if "learner_torch_rng" in client_state:
+            torch.set_rng_state(client_state["learner_torch_rng"])
+        if "learner_cuda_rng" in client_state:
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(client_state["learner_cuda_rng"], self.device)
+            else:
+                log.info("checkpoint written on CUDA, resumed on %s: its CUDA generator state is not used", self.device)
         return client_state
 
     def weight_manifest(self) -> list[tuple[str, TensorInfo]]:
@@ -340,11 +326,17 @@ class DeepSpeedPolicy:
         return ray.util.get_node_ip_address()
 
     def rng_state(self) -> dict[str, Any]:
-        return {
+        """The learner's counters and generators: the mini-batch shuffle, this process's torch CPU generator and,
+        on CUDA, its device's generator (every rank is seeded alike, so rank 0's stand for all)."""
+        state = {
             "optimizer_steps": self.optimizer_steps,
             "training_steps": self.training_steps,
             "shuffle_rng": self.shuffle.get_state(),
+            "learner_torch_rng": torch.get_rng_state(),
         }
+        if self.device.type == "cuda":
+            state["learner_cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype:

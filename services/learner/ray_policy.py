@@ -80,7 +80,8 @@ class PolicyProcess:
         return self.node_address(), free_port()
 
     def setup(self, model_dir: str, config: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
+        from rlep.services.learner.deepspeed_setup import init_distributed
+        from rlep.services.learner.policy import DeepSpeedPolicy
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         init_distributed(rank, world_size, master_addr, master_port)
@@ -93,6 +94,20 @@ class PolicyProcess:
 PolicyActor = ray.remote(PolicyProcess)
 
 
+def learner_gpus(config: TrainConfig, cluster_gpus: float) -> float:
+    """Ray GPUs per learner process: `local.learner_gpus`, or 1 when the cluster has GPUs (the driver may run on a
+    CPU-only head node), else 0. Refuses, naming the numbers, a request the cluster cannot hold: Ray would wait."""
+    gpus = config.local.learner_gpus
+    gpus = (1.0 if cluster_gpus > 0 else 0.0) if gpus is None else gpus
+    world = config.deepspeed.num_processes
+    if gpus * world > cluster_gpus:
+        raise ValueError(
+            f"the learner needs {gpus * world:g} GPUs (deepspeed.num_processes={world} x local.learner_gpus={gpus:g}) "
+            f"and the Ray cluster has {cluster_gpus:g}: lower num_processes or add GPU nodes"
+        )
+    return gpus
+
+
 @_with_fan_outs
 class RayPolicy(Policy):
     """`DeepSpeedPolicy` over `config.deepspeed.num_processes` Ray actors. The spread `Policy` calls are added by
@@ -100,8 +115,7 @@ class RayPolicy(Policy):
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
-        gpus = config.local.learner_gpus
-        gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus is None else gpus
+        gpus = learner_gpus(config, ray.cluster_resources().get("GPU", 0.0))
         options = {"num_cpus": config.local.learner_cpus, "num_gpus": gpus}
         self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
         master, port = ray.get(self.actors[0].rendezvous.remote())

@@ -21,9 +21,24 @@ from rlep.services.learner.batch import ExperienceBatch, build_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# (ZeRO stage, processes, gradient checkpointing); the first is the reference
-CASES = [(0, 1, False), (2, 2, False), (3, 2, False), (3, 2, True)]
+# (ZeRO stage, processes, gradient checkpointing, other settings); the first is the reference. The token budget
+# (24 tokens: rows of 8-27 tokens run one to three at a time) and PyTorch's fused AdamW under optimizer offload
+# (passed through DeepSpeed's config) must not change the update either.
+CASES = [
+    (0, 1, False, {}),
+    (2, 2, False, {}),
+    (3, 2, False, {}),
+    (3, 2, True, {}),
+    (2, 2, False, {"optim": {"micro_batch_tokens": 24}}),
+    (2, 1, False, {"deepspeed": {"offload_optimizer": True, "adam": "torch"}}),
+]
 LR = 1e-3
+
+
+def case_id(case) -> str:
+    stage, processes, checkpointing, extra = case
+    keys = [k for section in extra.values() for k in section if k != "adam"]
+    return f"zero{stage}-x{processes}" + ("-ckpt" if checkpointing else "") + "".join(f"-{k}" for k in keys)
 
 
 def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
@@ -51,7 +66,7 @@ def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
     return build_batch(groups, pad_id)
 
 
-def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, **deepspeed):
+def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, optim=None, **deepspeed):
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.ray_policy import RayPolicy
 
@@ -59,7 +74,8 @@ def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: in
         {
             "seed": 11,
             "algorithm": {"questions_per_step": 4, "mini_batch_questions": 2},
-            "optim": {"lr": LR, "warmup_steps": warmup_steps, "weight_decay": 0.0, "micro_batch_size": 3},
+            "optim": {"lr": LR, "warmup_steps": warmup_steps, "weight_decay": 0.0, "micro_batch_size": 3}
+            | (optim or {}),
             "deepspeed": {"zero_stage": stage, "num_processes": processes, **deepspeed},
             "local": {"learner_cpus": 0.5},
         }
@@ -67,9 +83,10 @@ def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: in
     return RayPolicy(model_dir, config)
 
 
-def run_update(model_dir, batch: ExperienceBatch, case: tuple[int, int, bool], hf_dir: Path | None = None):
-    stage, processes, checkpointing = case
-    policy = start_policy(model_dir, stage, processes, gradient_checkpointing=checkpointing)
+def run_update(model_dir, batch: ExperienceBatch, case: tuple, hf_dir: Path | None = None):
+    stage, processes, checkpointing, extra = case
+    deepspeed = {"gradient_checkpointing": checkpointing, **extra.get("deepspeed", {})}
+    policy = start_policy(model_dir, stage, processes, optim=extra.get("optim"), **deepspeed)
     try:
         initial = policy.state_dict()
         with_old = batch.with_old_logprobs(policy.logprobs(batch))
@@ -100,7 +117,9 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def updates(ray_local, model_dir, batch, hf_dir):
-    return {case: run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES}
+    return {
+        case_id(case): run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES
+    }
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -108,10 +127,10 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference:
     return diff / sum(float(reference[k].pow(2).sum()) for k in reference) ** 0.5
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"zero{c[0]}-x{c[1]}" + ("-ckpt" if c[2] else ""))
+@pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
-    ref_initial, ref_old, ref_stats, ref_final = updates[CASES[0]]
-    initial, old, stats, final = updates[case]
+    ref_initial, ref_old, ref_stats, ref_final = updates[case_id(CASES[0])]
+    initial, old, stats, final = updates[case_id(case)]
     assert all(torch.equal(initial[k], ref_initial[k]) for k in ref_initial)
     torch.testing.assert_close(old, ref_old, rtol=1e-5, atol=1e-5)
     ref_delta = {k: ref_final[k] - ref_initial[k] for k in ref_final}
@@ -125,7 +144,7 @@ def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
 
 
 def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(updates):
-    initial, _, stats, final = updates[CASES[0]]
+    initial, _, stats, final = updates[case_id(CASES[0])]
     moved = {k for k in final if not torch.equal(final[k], initial[k])}
     assert moved == set(final)
     # No warm-up: the first of the two Adam steps already uses the full lr (~lr per weight per step).
@@ -165,7 +184,7 @@ def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ra
 
 
 def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir, batch):
-    _, ref_old, _, _ = updates[CASES[0]]
+    _, ref_old, _, _ = updates[case_id(CASES[0])]
     policy = start_policy(model_dir, dtype="bf16")
     try:
         old = policy.logprobs(batch)

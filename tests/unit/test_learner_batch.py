@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlep.common.types import Group, Source, Trajectory, Verdict
-from rlep.services.learner.batch import build_batch, micro_batches, mini_batches, token_logprobs
+from rlep.services.learner.batch import build_batch, mini_batches, token_logprobs
 from rlep.services.learner.data import DataCursor, load_questions
+from tests.conftest import TEST_DATA
 
 
 def trajectory(qid: str, response: tuple[int, ...], reward: float, source=Source.FRESH) -> Trajectory:
@@ -71,11 +72,10 @@ def test_select_trims_padding_and_keeps_rows_aligned():
     assert short.old_logprobs.shape == (1, 3) and short.old_logprobs[0].tolist() == batch.old_logprobs[1, :3].tolist()
 
 
-def test_mini_and_micro_batches_partition_the_rows():
+def test_mini_batches_partition_the_rows():
     generator = torch.Generator().manual_seed(0)
     minis = mini_batches(10, 3, generator)
     assert sorted(torch.cat(minis).tolist()) == list(range(10)) and [len(m) for m in minis] == [4, 3, 3]
-    assert [m.tolist() for m in micro_batches(torch.arange(5), 2)] == [[0, 1], [2, 3], [4]]
 
 
 def test_token_logprobs_score_the_next_token():
@@ -97,10 +97,11 @@ def test_cursor_covers_every_question_once_per_epoch_and_restores():
         DataCursor(10, seed=2).restore(state)
 
 
-def test_dapo_17k_loads_as_is(shared_data):
-    questions = load_questions([shared_data / "dapo_math_17k.parquet"])
-    assert len(questions) == 17917
+def test_dapo_17k_loads_as_is():
+    questions = load_questions([TEST_DATA / "dapo_math_17k.parquet"])  # its first 200 rows, verl's schema
+    assert len(questions) == 200
     first = questions[0]
     assert first.data_source == "DAPO-17k" and first.ground_truth == "34"
     assert first.chat()[0]["role"] == "user" and "triangle" in first.chat()[0]["content"]
-    assert len({q.question_id for q in questions}) < len(questions)  # repeated prompts share an id
+    assert len({q.question_id for q in questions}) == 199  # repeated prompts share an id: rows 35 and 179
+    assert questions[35].question_id == questions[179].question_id
