@@ -66,9 +66,12 @@ class ExperienceBatch:
         """The batch's tensors on `device`; to CUDA through pinned memory, without waiting for the copies."""
         if device.type == "cpu":
             return self
+        pinned = device.type == "cuda"
 
         def move(tensor: Tensor | None) -> Tensor | None:
-            return None if tensor is None else tensor.pin_memory().to(device, non_blocking=True)
+            if tensor is None:
+                return None
+            return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
 
         return ExperienceBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
