@@ -117,9 +117,7 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def updates(ray_local, model_dir, batch, hf_dir):
-    return {
-        case_id(case): run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES
-    }
+    return {case_id(case): run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES}
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:

@@ -67,4 +67,3 @@ def test_chunked_scores_stay_on_the_device(grad):
     with torch.set_grad_enabled(grad):
         logprobs, entropy = token_scores(hidden, head, tokens, chunk_positions=4)
     assert logprobs.device == META and entropy.device == META and logprobs.shape == (2, 5)
-
