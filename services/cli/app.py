@@ -207,5 +207,9 @@ from rlep.services.cli.train import register as _register_learner_commands  # no
 
 _register_learner_commands(app)
 
+from rlep.services.cli.doctor import doctor as _doctor  # noqa: E402 - typer only, light
+
+app.command("doctor")(_doctor)
+
 if __name__ == "__main__":
     app()
