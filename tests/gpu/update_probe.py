@@ -9,40 +9,17 @@ torch file: the old logprobs, the update's statistics, the weights before and af
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 from rlep.common.ports import free_port
-from rlep.common.types import Group, Source, Trajectory
-from rlep.services.learner.batch import build_batch
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
-
-def synthetic_batch(vocab: int, seed: int = 0):
-    """4 questions x (3 fresh + 1 replayed) random responses of 3-13 tokens, rewards +-1."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def ids(count: int) -> tuple[int, ...]:
-        return tuple(int(t) for t in torch.randint(2, vocab, (count,), generator=generator))
-
-    groups = []
-    for q in range(4):
-        prompt = ids(5 + q)
-        trajectories = [
-            Trajectory(
-                f"q{q}",
-                f"r{k}",
-                reward=1.0 if (q + k) % 3 == 0 else -1.0,
-                source=Source.REPLAY if k == 3 else Source.FRESH,
-                prompt_token_ids=prompt,
-                response_token_ids=ids(int(torch.randint(3, 14, (1,), generator=generator))),
-            )
-            for k in range(4)
-        ]
-        groups.append(Group(f"q{q}", "0", trajectories))
-    return build_batch(groups, pad_id=0)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root, for tests.learner_batches
+from tests.learner_batches import synthetic_batch  # noqa: E402
 
 
 def rng_states() -> dict[str, torch.Tensor]:

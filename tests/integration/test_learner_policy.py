@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlep.common.types import Group, Source, Trajectory
-from rlep.services.learner.batch import ExperienceBatch, build_batch
+from rlep.services.learner.batch import ExperienceBatch
+from tests.learner_batches import synthetic_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # (ZeRO stage, processes, gradient checkpointing, other settings); the first is the reference. The token budget
-# (24 tokens: rows of 8-27 tokens run one to three at a time) and PyTorch's fused AdamW under optimizer offload
+# (24 tokens: rows of 10-21 tokens run alone or in pairs) and PyTorch's fused AdamW under optimizer offload
 # (passed through DeepSpeed's config) must not change the update either.
 CASES = [
     (0, 1, False, {}),
@@ -39,31 +39,6 @@ def case_id(case) -> str:
     stage, processes, checkpointing, extra = case
     keys = [k for section in extra.values() for k in section if k != "adam"]
     return f"zero{stage}-x{processes}" + ("-ckpt" if checkpointing else "") + "".join(f"-{k}" for k in keys)
-
-
-def synthetic_batch(vocab: int, pad_id: int, seed: int = 0) -> ExperienceBatch:
-    """4 questions x (3 fresh + 1 replayed) random responses of varied length, rewards +-1."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def ids(count: int) -> tuple[int, ...]:
-        return tuple(int(t) for t in torch.randint(2, vocab, (count,), generator=generator))
-
-    groups = []
-    for q in range(4):
-        prompt = ids(5 + q)
-        trajectories = [
-            Trajectory(
-                f"q{q}",
-                f"response {k}",
-                reward=1.0 if (q + k) % 3 == 0 else -1.0,
-                source=Source.REPLAY if k == 3 else Source.FRESH,
-                prompt_token_ids=prompt,
-                response_token_ids=ids(int(torch.randint(3, 14, (1,), generator=generator))),
-            )
-            for k in range(4)
-        ]
-        groups.append(Group(f"q{q}", "0", trajectories))
-    return build_batch(groups, pad_id)
 
 
 def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, optim=None, **deepspeed):
