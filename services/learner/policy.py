@@ -217,7 +217,7 @@ class DeepSpeedPolicy:
         return sums
 
     def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
-        """`truncated_is`: pi_old / pi_sampler per token, truncated (README, *Overlap*); otherwise None."""
+        """`truncated_is`: pi_old / pi_sampler per token, truncated (docs/learner.md, *Overlap*); otherwise None."""
         algo = self.config.algorithm
         if algo.correction != "truncated_is" or sub.behavior_logprobs is None:
             return None

@@ -58,8 +58,8 @@ def test_a_replica_stuck_on_old_weights_is_never_trained_on(tokenizer, verifier_
 
 def test_old_logprobs_are_the_learners_not_the_stale_samplers(tokenizer, verifier_client, replay_client, pool_name):  # noqa: F811
     """The importance ratio of an update is pi_new / pi_old with pi_old recomputed under the learner's weights at
-    the start of the update (README, *Overlap*): the sampler's own logprobs (here -3.0 a token, a stale sampler's)
-    never reach the loss."""
+    the start of the update (docs/learner.md, *Overlap*): the sampler's own logprobs (here -3.0 a token, a stale
+    sampler's) never reach the loss."""
     trainer, policy, rollout = make_trainer(
         tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=0, max_staleness=1
     )

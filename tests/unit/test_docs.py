@@ -1,0 +1,90 @@
+"""The README fits on a screen and points to docs/; every relative link in README.md, docs/ and deploy/README.md
+resolves, and every `rlep` command quoted in their code blocks parses against the real command line (options and
+arguments exist, required ones are given), without running it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+
+from rlep.services.cli.app import app
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README_MAX_LINES = 200
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.M | re.S)
+
+
+def relative_links(text: str) -> list[str]:
+    return [t for t in LINK.findall(text) if not re.match(r"^(https?:|mailto:|#)", t)]
+
+
+def quoted_commands(text: str) -> list[str]:
+    """`rlep ...` lines of the fenced blocks, continuation lines joined, comments and a trailing `&` dropped."""
+    commands = []
+    for block in FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip().removeprefix("$ ")
+            if not line.startswith("rlep "):
+                continue
+            line = re.sub(r"\s#\s.*$", "", line).rstrip().removesuffix("&").strip()
+            # `[--flag value]` marks an optional part
+            commands.append(" ".join(line.replace("[", "").replace("]", "").split()))
+    return commands
+
+
+def parse(args: list[str]):
+    """The click context `rlep ARGS` parses to (sub-commands resolved); raises the CLI's usage errors."""
+    command, name, parent = typer.main.get_command(app), "rlep", None
+    while True:
+        ctx = command.make_context(name, args, parent=parent)
+        if not hasattr(command, "resolve_command"):
+            return ctx
+        name, command, args = command.resolve_command(ctx, [*(ctx._protected_args or []), *ctx.args])
+        parent = ctx
+
+
+def test_the_pages_quote_commands():
+    assert sum(len(quoted_commands(page.read_text())) for page in PAGES) >= 20
+
+
+def test_readme_fits_on_a_screen_and_links_every_docs_page():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    assert "make demo" in readme and "make test" in readme
+    linked = {Path(t.split("#")[0]).name for t in relative_links(readme)}
+    assert not [p.name for p in (REPO / "docs").glob("*.md") if p.name not in linked]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    missing = [t for t in relative_links(page.read_text()) if not (page.parent / t.split("#")[0]).exists()]
+    assert not missing, f"{page.relative_to(REPO)} links to missing files: {missing}"
+
+
+def test_the_rules_catch_what_they_name():
+    assert relative_links("[a](docs/x.md) [b](https://x.org) [c](#here)") == ["docs/x.md"]
+    assert quoted_commands("```bash\nrlep train \\\n  --dry-run &   # note\nls\n```\n") == ["rlep train --dry-run"]
+    with pytest.raises(Exception, match="No such option: --bogus"):
+        parse(["train", "--bogus"])
+    with pytest.raises(Exception, match="No such command"):
+        parse(["trian"])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_quoted_command_parses(page, monkeypatch):
+    monkeypatch.chdir(REPO)  # paths in the docs are relative to the repository's root
+    failures = []
+    for command in quoted_commands(page.read_text()):
+        try:
+            parse(shlex.split(command)[1:])
+        except Exception as err:  # the CLI's own usage errors (typer vendors click's exception types)
+            message = getattr(err, "format_message", lambda e=err: str(e))()
+            if "does not exist" not in message:  # an example's file need not exist here
+                failures.append(f"{command!r}: {message}")
+    assert not failures, "\n".join(failures)
