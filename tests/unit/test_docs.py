@@ -88,3 +88,12 @@ def test_every_quoted_command_parses(page, monkeypatch):
             if "does not exist" not in message:  # an example's file need not exist here
                 failures.append(f"{command!r}: {message}")
     assert not failures, "\n".join(failures)
+
+
+def test_architecture_names_every_package_module():
+    """docs/architecture.md is the map of the code: a module it does not name is a room a newcomer cannot find."""
+    named = set(re.findall(r"`([A-Za-z_][\w.]*)`", (REPO / "docs" / "architecture.md").read_text()))
+    packages = [p for p in (REPO / "services").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    modules = [m for pkg in [*packages, REPO / "rlep_common"] for m in pkg.glob("*.py") if m.stem != "__init__"]
+    assert len(modules) > 80
+    assert not [str(m.relative_to(REPO)) for m in modules if m.stem not in named]
