@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from benchmarks.rollout import start_worker
+    from benchmarks.rollout_worker import start_worker
     from rlep.common.ports import free_port
     from rlep.common.tiny_model import cached_model
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,16 +72,6 @@ def raw_engine_serve(args, conn) -> None:
             }
         )
     shutdown_llm(llm)
-
-
-def start_worker(args, model: str, port: int, eager: bool = False) -> subprocess.Popen:
-    from tests.integration.test_serve_cli import rlep_command, wait_serving
-
-    cmd = [*rlep_command(), "serve", "rollout", "--port", str(port), "--set", f"engine.model={model}"]
-    cmd += ["--set", f"engine.enforce_eager={str(args.eager or eager).lower()}", "--set", "engine.max_num_seqs=256"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_serving(port, timeout_s=900)
-    return proc
 
 
 def generation_side_by_side(args, client, conn) -> dict:
@@ -196,8 +185,9 @@ OBJECT_STORE_MODELS = ("tiny", "100m")
 
 def push_section(args, name: str) -> dict:
     """A rollout worker serving `name`, pushed to by both file transports and compared with raw save+load."""
+    from benchmarks.rollout_worker import start_worker
+    from rlep.common.ports import free_port
     from rlep.services.rollout.client import RolloutClient
-    from tests.conftest import free_port
 
     model_dir = push_model_dir(name)
     with console.status(f"weight pushes with the {name} model..."):
@@ -220,9 +210,10 @@ def push_section(args, name: str) -> dict:
 
 def generation_section(args) -> dict:
     """The raw engine (child process) and a tiny-model rollout worker, alternated."""
+    from benchmarks.rollout_worker import start_worker
+    from rlep.common.ports import free_port
     from rlep.common.tiny_model import cached_model
     from rlep.services.rollout.client import RolloutClient
-    from tests.conftest import free_port
 
     cached_model("tiny")
     context = mp.get_context("spawn")

@@ -6,14 +6,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common import health
 from rlep.common.types import Verdict
 from rlep.services.verifier.client import VerifierClient
 from tests.conftest import free_port
@@ -29,16 +26,7 @@ def rlep_command() -> list[str]:
 
 
 def wait_serving(port: int, timeout_s: float = STARTUP_TIMEOUT_S, tls_ca_file: Path | None = None) -> None:
-    stub = health_pb2_grpc.HealthStub(make_channel(f"127.0.0.1:{port}", tls_ca_file=tls_ca_file))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
+    health.wait_serving(f"127.0.0.1:{port}", timeout_s, tls_ca_file)
 
 
 def test_serve_verifier_process(tmp_path):

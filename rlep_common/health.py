@@ -1,0 +1,35 @@
+"""Waiting until a gRPC server's standard health check says SERVING (operators' scripts, benchmarks, tests)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlep.common.grpc_utils import make_channel
+
+HEALTH_CALL_TIMEOUT_S = 2.0  # one Check; a server still loading answers UNAVAILABLE at once
+HEALTH_POLL_S = 0.2
+
+
+def wait_serving(address: str, timeout_s: float, tls_ca_file: Path | None = None) -> None:
+    """Returns once the server at `address` (host:port) answers SERVING; re-raises its last error after `timeout_s`."""
+    channel = make_channel(address, tls_ca_file=tls_ca_file)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_CALL_TIMEOUT_S)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s")
+            time.sleep(HEALTH_POLL_S)
+    finally:
+        channel.close()
