@@ -14,6 +14,17 @@ HEALTH_CALL_TIMEOUT_S = 2.0  # one Check; a server still loading answers UNAVAIL
 HEALTH_POLL_S = 0.2
 
 
+def is_serving(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether the server at `address` answers its health check with SERVING now (health checks need no token;
+    TLS when RLEP_TLS_CA_FILE is set, like every client)."""
+    with make_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def wait_serving(address: str, timeout_s: float, tls_ca_file: Path | None = None) -> None:
     """Returns once the server at `address` (host:port) answers SERVING; re-raises its last error after `timeout_s`."""
     channel = make_channel(address, tls_ca_file=tls_ca_file)

@@ -128,7 +128,7 @@ class ServiceStack:
             route_prefix=None,
         )
         self._serve_started = True
-        from rlep.services.rollout.ray_app import replica_addresses
+        from rlep.services.rollout.registry import replica_addresses
 
         replica_addresses(self.app_name, wait_s=600, expect=local.rollout_replicas)
 

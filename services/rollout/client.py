@@ -113,8 +113,8 @@ def split_evenly(count: int, parts: int) -> list[range]:
 
 
 def replica_addresses_on_ray(app_name: str = "rlep-rollout", wait_s: float = 120.0, expect: int = 1) -> list[str]:
-    """Addresses of the live replicas of a Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
-    from rlep.services.rollout.ray_app import replica_addresses
+    """Addresses of the live replicas of a Ray Serve rollout deployment (services/rollout/registry.py)."""
+    from rlep.services.rollout.registry import replica_addresses
 
     return replica_addresses(app_name, wait_s=wait_s, expect=expect)
 
@@ -170,8 +170,8 @@ class RolloutClient:
 
     @classmethod
     def from_ray(cls, app_name: str = "rlep-rollout", **kwargs) -> RolloutClient:
-        """Replicas of a running Ray Serve rollout deployment (see services/rollout/ray_app.py)."""
-        from rlep.services.rollout.ray_app import replica_addresses
+        """Replicas of a running Ray Serve rollout deployment (services/rollout/registry.py)."""
+        from rlep.services.rollout.registry import replica_addresses
 
         client = cls(replica_addresses(app_name), **kwargs)
         client._resolve = lambda: replica_addresses(app_name)

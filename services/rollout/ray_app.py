@@ -17,7 +17,6 @@ its new address and starts at its initial version; the learner brings it up to d
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import ray
@@ -26,80 +25,9 @@ from ray import serve
 
 from rlep.common.config import StrictModel, load_config
 from rlep.services.rollout.config import RolloutConfig, port_range_error
+from rlep.services.rollout.registry import registry
 
 log = logging.getLogger(__name__)
-
-REGISTRY_NAMESPACE = "rlep"
-
-
-@ray.remote(num_cpus=0)
-class ReplicaRegistry:
-    """replica id -> gRPC address of the live replicas of one rollout application."""
-
-    def __init__(self) -> None:
-        self._addresses: dict[str, str] = {}
-
-    def register(self, replica_id: str, address: str) -> None:
-        self._addresses[replica_id] = address
-
-    def unregister(self, replica_id: str) -> None:
-        self._addresses.pop(replica_id, None)
-
-    def addresses(self) -> dict[str, str]:
-        return dict(self._addresses)
-
-
-# Ray's resource of the head node: the registry lives there, so losing a worker node (and its replicas) never
-# loses the other replicas' registrations (Ray Train pins its state actor the same way).
-HEAD_NODE = {"node:__internal_head__": 0.001}
-
-
-def registry(app_name: str):
-    return ReplicaRegistry.options(
-        name=f"{app_name}-registry",
-        namespace=REGISTRY_NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        resources=HEAD_NODE,
-        scheduling_strategy="DEFAULT",  # not inside the creating replica's placement group
-    ).remote()
-
-
-def _answers(address: str, timeout_s: float = 5.0) -> bool:
-    """Whether a replica's gRPC health check says SERVING (health checks need no token)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from rlep.common.grpc_utils import make_channel
-
-    with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, like every client
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def replica_addresses(app_name: str = "rlep-rollout", wait_s: float = 120.0, expect: int = 1) -> list[str]:
-    """Addresses of the live registered replicas (waits until at least `expect` answer).
-
-    Entries of replicas that died without unregistering (a killed process) are dropped here.
-    """
-    deadline = time.monotonic() + wait_s
-    handle = registry(app_name)
-    while True:
-        addresses = {}
-        for replica_id, address in ray.get(handle.addresses.remote()).items():
-            if _answers(address):
-                addresses[replica_id] = address
-            else:
-                handle.unregister.remote(replica_id)
-        if len(addresses) >= expect or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if not addresses:
-        raise RuntimeError(f"no rollout replica registered for Ray Serve application {app_name!r}")
-    return sorted(addresses.values())
 
 
 @serve.deployment(name="rollout", ray_actor_options={"num_cpus": 1}, health_check_period_s=10)

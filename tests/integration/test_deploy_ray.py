@@ -43,7 +43,7 @@ def serve_verifier(ray_local, auth_token_file):
 @pytest.fixture(scope="module")
 def fake_rollout_registry(ray_local, serve_verifier):
     """A rollout registry holding one live gRPC server (the verifier answers health checks) and one dead address."""
-    from rlep.services.rollout.ray_app import registry
+    from rlep.services.rollout.registry import registry
 
     handle = registry(FAKE_ROLLOUT_APP)
     ray_local.get(handle.register.remote("live", serve_verifier))
