@@ -121,6 +121,10 @@ def _stop_orphan(data_dir: Path) -> None:
     pid_file.unlink(missing_ok=True)
 
 
+class DataDirInUse(RuntimeError):
+    """Another live process owns a redis-server on this data directory."""
+
+
 def _lock_data_dir(data_dir: Path) -> IO[str]:
     """Takes the data directory's owner lock, or says who holds it."""
     handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the server's lifetime
@@ -136,7 +140,7 @@ def _lock_data_dir(data_dir: Path) -> IO[str]:
             handle.seek(0)
             owner = handle.read().strip() or "unknown"
             handle.close()
-            raise RuntimeError(
+            raise DataDirInUse(
                 f"{data_dir} is in use by another redis owner (pid {owner}); one Redis per directory"
             ) from None
     handle.seek(0)
@@ -213,7 +217,7 @@ def start_local_redis(
     how the server behaves where the OS has none (a later start then stops the orphan); it is also
     skipped off the main thread, since the kernel signals when the starting thread exits.
 
-    Raises RuntimeError when another live process owns a server on `data_dir`.
+    Raises DataDirInUse (a RuntimeError) when another live process owns a server on `data_dir`.
     """
     import redis
 

@@ -15,10 +15,14 @@ from typing import Annotated, Any, NamedTuple
 import typer
 
 from rlep.common.model_import import model_app
+from rlep.services.cli.errors import RlepGroup, UserError, config_error, reaching
 from rlep.services.cli.pool import pool_app
 
 app = typer.Typer(
-    help="RLEP: RL post-training of LLMs with experience replay.", no_args_is_help=True, pretty_exceptions_enable=False
+    cls=RlepGroup,
+    help="RLEP: RL post-training of LLMs with experience replay.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
 )
 serve_app = typer.Typer(help="Run one service: rlep serve <service> --host 127.0.0.1 --port N.", no_args_is_help=True)
 proto_app = typer.Typer(help="Generate or check the gRPC stubs under proto/.", no_args_is_help=True)
@@ -26,6 +30,15 @@ app.add_typer(serve_app, name="serve")
 app.add_typer(proto_app, name="proto")
 app.add_typer(pool_app, name="pool")
 app.add_typer(model_app, name="model")
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Print the traceback of an error too.")] = False,
+) -> None:
+    """RLEP: RL post-training of LLMs with experience replay."""
+    ctx.meta["rlep.verbose"] = verbose
 
 
 class ServiceEntry(NamedTuple):
@@ -103,14 +116,36 @@ def _serve(service: str, config: Path | None, flags: dict[str, Any], sets: list[
     try:
         resolved = _resolve(service, config, flags, sets)
     except ValueError as err:  # pydantic's ValidationError is a ValueError
-        raise typer.BadParameter(str(err)) from err
+        raise config_error(err, _load(SERVICES[service].config_class)) from err
     if dry_run:
         from rlep.common.config import dump_config_json
 
         typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _load(SERVICES[service].serve_forever)(resolved)
+    listen = f"{resolved.server.host}:{resolved.server.port}"
+    redis_url = getattr(resolved, "redis_url", None) or "the self-started redis-server"
+    try:
+        with reaching("Redis", redis_url, "start Redis there or fix redis_url (--set redis_url=redis://HOST:PORT/0)"):
+            _load(SERVICES[service].serve_forever)(resolved)
+    except (OSError, RuntimeError) as err:
+        from rlep.common.redis_server import DataDirInUse
+
+        if isinstance(err, DataDirInUse):
+            raise UserError(f"{err}; stop that process, or give this one --set local_redis_dir=OTHER_DIR") from err
+        if not _is_port_in_use(err):
+            raise
+        raise UserError(
+            f"cannot listen on {listen} (or its --metrics-port): the port is in use; "
+            "pick another --port (0 = any free port) or stop the process holding it"
+        ) from err
+
+
+def _is_port_in_use(err: BaseException) -> bool:
+    """grpc reports a taken port as RuntimeError("Failed to bind ..."), sockets as OSError(EADDRINUSE)."""
+    import errno
+
+    return (isinstance(err, OSError) and err.errno == errno.EADDRINUSE) or "Failed to bind" in str(err)
 
 
 def _add_serve_command(service: str, help_text: str) -> None:

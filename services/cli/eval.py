@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rlep.common.files import read_token_file
+from rlep.services.cli.errors import reaching, read_token
 from rlep.services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
 from rlep.services.eval.client import EvalApiError, EvalClient
 
@@ -62,7 +62,8 @@ def run_eval(
     """Submits, follows and reports one job; exits 1 when it fails or is cancelled, 2 when it is refused.
     Ctrl-C cancels the job on the server."""
     console = Console(stderr=as_json)
-    with EvalClient(server, token=read_token_file(token_file)) as client:
+    fix = "start it with `rlep serve eval`, or pass its URL with --server"
+    with reaching("eval service", server, fix), EvalClient(server, token=read_token(token_file)) as client:
         try:
             job = client.submit(request)
         except EvalApiError as err:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rlep.common.files import read_token_file
+from rlep.services.cli.errors import UserError, reaching, read_token
 
 pool_app = typer.Typer(
     help="Inspect, import, export and drop replay pools (talks to `rlep serve replay`).", no_args_is_help=True
@@ -23,18 +24,24 @@ DEFAULT_ADDRESS = "127.0.0.1:50062"
 def _client(address: str, token_file: Path | None):
     from rlep.services.replay.client import ReplayClient
 
-    token = read_token_file(token_file)
-    return ReplayClient(address, token=token)
+    return ReplayClient(address, token=read_token(token_file))
 
 
 @contextlib.contextmanager
-def _rpc_errors_exit(hint: str = "") -> Iterator[None]:
-    """Turns a failed RPC into a one-line message (and `hint`) and exit code 1 instead of a traceback."""
+def _rpc_errors_exit(address: str, hint: str = "") -> Iterator[None]:
+    """Turns a failed RPC into a one-line message (and `hint`) and exit code 1 instead of a traceback; an
+    unreachable service or a refused token is a `UserError` naming `address`."""
     import grpc
 
+    # A one-shot command reports the final error once; the retry warnings before it would only repeat it.
+    logging.getLogger("rlep.common.grpc_utils").setLevel(logging.ERROR)
+    fix = "start it with `rlep serve replay`, or pass its host:port with --address"
     try:
-        yield
+        with reaching("replay service", address, fix):
+            yield
     except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            hint = f"; `rlep pool list -a {address}` names the pools there{hint}"
         typer.echo(f"error: {err.code().name}: {err.details()}{hint}", err=True)
         raise typer.Exit(1) from None
 
@@ -42,7 +49,7 @@ def _rpc_errors_exit(hint: str = "") -> Iterator[None]:
 @pool_app.command("list")
 def list_pools(address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
     """Names of the pools the service holds."""
-    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+    with _rpc_errors_exit(address), _client(address, auth_token_file) as client:
         for name in client.list_pools():
             typer.echo(name)
 
@@ -53,7 +60,7 @@ def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: Tok
     from rich.console import Console
     from rich.table import Table
 
-    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+    with _rpc_errors_exit(address), _client(address, auth_token_file) as client:
         s = client.stats(pool)
     console = Console()
     summary = Table(title=f"pool {s.pool}", show_header=False)
@@ -90,15 +97,21 @@ def import_pool(
 ) -> None:
     """Load RLEP's released pool format (reward_model.candidates) as successes; re-running an interrupted import
     completes it (chunks are applied one by one, and adds are idempotent)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
     from rich.progress import Progress
 
     from rlep.common.pool_parquet import ROW_BATCH, read_pool_rows
 
-    rows = pq.ParquetFile(path).metadata.num_rows
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as err:
+        raise UserError(
+            f"{path} is not a parquet file ({err}); give a pool parquet, as `rlep pool export` writes"
+        ) from err
     # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
     hint = "\nthe chunks sent before the error are stored; run the same import again to complete it"
-    with _rpc_errors_exit(hint), Progress() as progress, _client(address, auth_token_file) as client:
+    with _rpc_errors_exit(address, hint), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"importing {path.name}", total=rows)
 
         def chunks():
@@ -124,7 +137,9 @@ def export_pool(
 
     from rlep.common.pool_parquet import write_pool_rows
 
-    with _rpc_errors_exit(), Progress() as progress, _client(address, auth_token_file) as client:
+    if not path.parent.is_dir():
+        raise UserError(f"folder {path.parent} does not exist; create it first, or write {path.name} elsewhere")
+    with _rpc_errors_exit(address), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"exporting {pool}", total=client.stats(pool).questions)
 
         def chunks():
@@ -146,6 +161,6 @@ def drop(
     """Delete a pool and every trajectory in it."""
     if not yes:
         typer.confirm(f"Delete pool {pool!r} and all its trajectories?", abort=True)
-    with _rpc_errors_exit(), _client(address, auth_token_file) as client:
+    with _rpc_errors_exit(address), _client(address, auth_token_file) as client:
         deleted = client.drop(pool, confirm=pool)
     typer.echo(f"dropped {pool}: {deleted} trajectories")
