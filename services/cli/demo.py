@@ -7,7 +7,8 @@
    at least 2 verified successes go to a replay pool.
 4. RLEP: RL with M>0 for S steps from the SAME warm-up model, same seed and settings.
 Both runs are evaluated on held-out problems every few steps. Output: a table, a PNG of accuracy
-vs step, and results.json under the output directory.
+vs step, and results.json under the output directory; each run's TensorBoard files are under
+<out_dir>/<run>/tensorboard (docs/tracking.md).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
     from rlep.services.learner.data import load_questions
     from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.learner.tracking import tensorboard_dir
     from rlep.services.learner.warmup import warmup
 
     console = Console()
@@ -173,6 +175,9 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     init_ray()
     baseline_config = demo_train_config(demo, "baseline", 0, warm.out_dir, train_data, eval_data)
     rlep_config = demo_train_config(demo, "rlep", demo.replayed_per_question, warm.out_dir, train_data, eval_data)
+    boards = [tensorboard_dir(c) for c in (baseline_config, rlep_config) if tensorboard_dir(c) is not None]
+    if boards:  # printed now so the curves can be watched while the runs train
+        console.print(f"TensorBoard logs: {', '.join(map(str, boards))} (open with: tensorboard --logdir {out})")
     stack = ServiceStack(baseline_config, warm.out_dir, app_name="rlep-demo-rollout")
     services = stack.start(need_replay=True)
     try:

@@ -17,6 +17,7 @@ from rlep.services.learner.pool_seed import seed_pool_from_candidates
 from rlep.services.learner.ray_policy import RayPolicy
 from rlep.services.learner.records import LogRecord, StepRecord
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.tracking import setup_step_sinks
 from rlep.services.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ def run_training(
         seed_pool_from_candidates(services.replay, config.replay_pool, config.data.train_files)
     policy = RayPolicy(model_dir, config)
     metrics_server = _start_metrics(config)
-    trainer = None
+    trainer, sinks = None, []
     try:
+        sinks = setup_step_sinks(config)
         trainer = Trainer(
             config,
             model_dir,
@@ -66,6 +68,7 @@ def run_training(
             metrics=metrics_server[1] if metrics_server else None,
             eval_questions=eval_questions,
             on_step=on_step,
+            sinks=sinks,
         )
         trainer.start(resume)
         with Progress(
@@ -97,6 +100,8 @@ def run_training(
         if trainer is not None:
             trainer.close()
         policy.close()
+        for sink in sinks:
+            sink.close()
         if metrics_server:
             metrics_server[0].stop()
         if own_stack:

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from rlep.services.cli.errors import UserError, config_error
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="Training config YAML.", exists=True)]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override any field: --set algorithm.replayed_per_question=0")
@@ -23,7 +25,53 @@ def load_train_config(config: Path | None, sets: list[str] | None, flags: dict |
     try:
         return load_config(TrainConfig, config, flags, env_prefix="train", sets=sets)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
+        raise config_error(err, TrainConfig) from err
+
+
+def model_problem(model: str) -> str | None:
+    """What is wrong with `model` and the fix, when it is neither a preset nor an HF checkpoint directory here."""
+    from rlep.common.tiny_model import PRESETS
+
+    path = Path(model)
+    if model in PRESETS or (path / "config.json").is_file():
+        return None
+    presets = ", ".join(PRESETS)
+    if path.is_file() and path.suffix == ".gguf":
+        problem = "is a GGUF file; turn it into an HF directory with `rlep model import`"
+    elif path.is_dir():
+        problem = "has no config.json, so it is not an HF checkpoint directory"
+    else:
+        problem = "does not exist"
+    return (
+        f"model `{model}` {problem}\n"
+        f"give an HF checkpoint directory (`rlep model import` makes one from a GGUF file) or a preset: {presets}"
+    )
+
+
+def check_train_files(files: list[Path], read_schema: bool = True) -> None:
+    """Refuses no training files or a missing one; with `read_schema`, one without the verl columns too."""
+    from rlep.common.dataset import DatasetError, read_verl_parquet
+
+    if not files:
+        raise UserError("no training data given; pass --config with data.train_files, or --set data.train_files=[FILE]")
+    for path in files:
+        if not path.is_file():
+            raise UserError(f"training file {path} does not exist; fix data.train_files")
+        try:
+            if read_schema:
+                read_verl_parquet(path, limit=1)
+        except DatasetError as err:
+            raise UserError(f"{err}; give a verl parquet (`prompt`, `reward_model.ground_truth`)") from err
+
+
+def _require_tracking(config) -> None:
+    """Fails before any service starts when W&B is asked for and not installed."""
+    from rlep.services.learner.tracking import check_wandb_installed
+
+    try:
+        check_wandb_installed(config.logging.wandb)
+    except RuntimeError as err:
+        raise UserError(str(err)) from err
 
 
 def train(
@@ -35,11 +83,15 @@ def train(
 ) -> None:
     """Train with RLEP (or the M=0 baseline) over rollout, verifier and replay; starts what is not given."""
     resolved = load_train_config(config, set_)
-    if dry_run:
+    if dry_run:  # the model is not looked for: a dry run also checks configs for another machine (a pod's volumes)
         from rlep.common.config import dump_config_json
 
         typer.echo(dump_config_json(resolved))
         return
+    if problem := model_problem(resolved.model):
+        raise UserError(problem)
+    check_train_files(resolved.data.train_files)
+    _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.services.cli.run import run_training
 
@@ -56,10 +108,10 @@ def _collect_config(config: Path | None, sets: list[str] | None, flags: dict):
     """The TrainConfig `rlep collect` runs with: defaults < file < env < --set < the named flags."""
     resolved = load_train_config(config, sets, flags)
     if not resolved.data.train_files:
-        raise typer.BadParameter("no training questions: pass --data or set data.train_files in the --config file")
-    missing = [str(path) for path in resolved.data.train_files if not path.exists()]
-    if missing:
-        raise typer.BadParameter(f"data.train_files: {', '.join(missing)} not found")
+        raise UserError("no training questions given; pass --data FILE or set data.train_files in the --config file")
+    check_train_files(resolved.data.train_files, read_schema=False)  # read by `collect` as it loads the questions
+    if problem := model_problem(resolved.model):
+        raise UserError(problem)
     return resolved
 
 
@@ -115,12 +167,15 @@ def collect(
     from rlep.services.learner.collect import collect as run_collect
     from rlep.services.learner.data import load_questions
     from rlep.services.learner.tokens import PolicyTokenizer
+    from rlep.services.learner.tracking import setup_step_sinks
 
     flags = {"model": model, "replay_pool": pool, "data.train_files": [str(p) for p in data or []] or None}
     flags |= {"collect.samples_per_question": n, "collect.temperature": temperature, "collect.top_p": top_p}
     flags |= {"collect.max_response_tokens": max_tokens, "collect.min_successes": min_successes}
     train_config = _collect_config(config, set_, flags)
+    _require_tracking(train_config)
     model_dir = Path(resolve_model(train_config.model))
+    check_train_files(train_config.data.train_files)  # the missing column named, not a traceback
     questions = load_questions(train_config.data.train_files)
     pool_name, collect_config = train_config.replay_pool, train_config.collect
     settings = run_settings(collect_config, questions, pool_name, model_dir)
@@ -133,7 +188,9 @@ def collect(
     init_ray(ray_address)
     stack = ServiceStack(train_config, model_dir)
     services = stack.start(need_replay=True)
+    sinks = []
     try:
+        sinks = setup_step_sinks(train_config, job="collect")
         if train_config.endpoints.rollout or train_config.endpoints.rollout_service:
             push_checkpoint(services.rollout, model_dir)
         tokenizer = PolicyTokenizer.load(
@@ -147,8 +204,11 @@ def collect(
             state_file=state_file,
             checkpoint=model_dir,
             tokenizer=tokenizer,
+            sinks=sinks,
         )
     finally:
+        for sink in sinks:
+            sink.close()
         stack.close()
     table = Table(title=f"collected into pool {pool_name!r}")
     for column in ("questions", "kept (>= k successes)", "samples", "success rate", "successes stored", "seconds"):
@@ -176,12 +236,12 @@ def demo(
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
     from rlep.common.config import dump_config_json
-    from rlep.services.cli.demo import load_demo_config
+    from rlep.services.cli.demo import DemoConfig, load_demo_config
 
     try:
         resolved = load_demo_config(config, set_, {"seed": seed, "out_dir": out_dir})
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
+        raise config_error(err, DemoConfig) from err
     if dry_run:
         typer.echo(dump_config_json(resolved))
         return

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from rlep.services.learner.config import CollectConfig
 from rlep.services.learner.experience import sampled_trajectories
 from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.types import Sampling
 
 STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
@@ -130,13 +132,15 @@ def collect(
     show_progress: bool = True,
     checkpoint: Path | str | None = None,
     tokenizer: PolicyTokenizer | None = None,
+    sinks: Sequence[StepSink] = (),
 ) -> CollectStats:
     """Samples, verifies and stores successes chunk by chunk.
 
     Resumes from `state_file` when it holds a run with the same `run_settings` (the sampled
     `checkpoint` among them); raises StateMismatch when it holds another. With `tokenizer` (the sampled
     policy's), prompts are rendered and left-truncated as in training and successes carry its
-    fingerprint, so a learner with the same tokenizer trains on their ids as sampled.
+    fingerprint, so a learner with the same tokenizer trains on their ids as sampled. After each chunk the
+    stats (the state file's names, plus `success_rate`) go to `sinks` at step `chunks_done`.
     """
     settings = run_settings(config, questions, pool, checkpoint)
     stats = load_state(state_file, settings)
@@ -169,6 +173,8 @@ def collect(
                 state_file.parent.mkdir(parents=True, exist_ok=True)
                 state = {**asdict(stats), "fingerprint": fingerprint(settings), "settings": settings}
                 state_file.write_text(json.dumps(state, indent=1))
+            for sink in sinks:
+                sink.write(stats.chunks_done, {**asdict(stats), "success_rate": stats.success_rate})
             progress.update(task, advance=len(chunks[index]), rate=stats.success_rate, kept=stats.questions_kept)
     return stats
 

@@ -76,14 +76,14 @@ class AlgorithmConfig(StrictModel):
     thread while the current step trains, on weights at most k versions older than the weights they train
     (verl's one-step-off-policy recipe, prime-rl's async level). 0 = the paper's synchronous step. Groups
     staler than k (e.g. from a replica that rejoined on old weights) are dropped and counted in the step
-    record. Old logprobs are recomputed under the learner's weights before the update (README, *Overlap*)."""
+    record. Old logprobs are recomputed under the learner's weights before the update (docs/learner.md, *Overlap*)."""
     behavior_correction: Literal["auto", "none", "truncated_is"] = "auto"
     """Beyond the reference: how fresh samples drawn by other weights than the update's old policy are corrected
-    (README, *Overlap*). `none`: the PPO ratio starts from old logprobs recomputed under the learner's weights and
-    the gap to the sampler is ignored (verl's one-step-off-policy recipe). `truncated_is`: each fresh token's loss
-    is also weighted by min(pi_old / pi_sampler, behavior_weight_cap), pi_sampler being the sampler's logprob
-    (AReaL's decoupled objective, truncated as in TIS); replayed rows get weight 1. It needs temperature 1 and
-    top_p 1 (the learner scores the untempered policy). `auto` (default): `truncated_is` when max_staleness >= 1
+    (docs/learner.md, *Overlap*). `none`: the PPO ratio starts from old logprobs recomputed under the learner's
+    weights and the gap to the sampler is ignored (verl's one-step-off-policy recipe). `truncated_is`: each fresh
+    token's loss is also weighted by min(pi_old / pi_sampler, behavior_weight_cap), pi_sampler being the sampler's
+    logprob (AReaL's decoupled objective, truncated as in TIS); replayed rows get weight 1. It needs temperature 1
+    and top_p 1 (the learner scores the untempered policy). `auto` (default): `truncated_is` when max_staleness >= 1
     and the sampler is untempered, else `none` — so the synchronous step stays the paper's. Measured on the demo
     with k=1: `none` lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous run."""
     behavior_weight_cap: float = Field(2.0, ge=1)
@@ -238,6 +238,33 @@ class CollectConfig(StrictModel):
     run_id: str = "collect"
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases run of `rlep train` / `rlep collect` (needs `pip install 'rlep[wandb]'`)."""
+
+    project: str | None = None
+    """W&B project to log to; None = no W&B (the default; `wandb` is then never imported)."""
+    entity: str | None = None
+    """W&B team or user; None = the logged-in account's default."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the run under `dir` only (upload it later with `wandb sync`)."""
+    dir: Path | None = None
+    """Folder W&B writes its `wandb/` run folders in; None = the run's directory (see `tensorboard_dir`), else
+    W&B's default (./wandb)."""
+
+
+class LoggingConfig(StrictModel):
+    """Experiment tracking: every step record also goes to TensorBoard and, when asked, W&B (docs/tracking.md)."""
+
+    tensorboard: bool = True
+    """Write each step record as TensorBoard scalars (JSONL names, nested fields joined by `/`)."""
+    tensorboard_dir: Path | None = None
+    """Event file folder; None = `<run dir>/tensorboard`, the run's directory being `checkpoint.dir`, else the
+    folder of `log_file` (where the JSONL goes); with neither set, no TensorBoard files. `rlep collect` writes
+    to its `collect/` subfolder."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases, off unless `project` is set."""
+
+
 class TrainConfig(StrictModel):
     run_id: str = "rlep"
     model: str = "tiny"
@@ -261,6 +288,8 @@ class TrainConfig(StrictModel):
     """Settings of `rlep collect` when it is given this file (`configs/recipes/collect.yaml`)."""
     log_file: Path | None = None
     """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
+    logging: LoggingConfig = LoggingConfig()
+    """TensorBoard and Weights & Biases copies of the step log."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus /metrics of the learner (9464 in deployments)."""
     metrics_host: str = "127.0.0.1"

@@ -17,7 +17,8 @@ process; for NCCL this process starts the calls and rank 0 broadcasts.
 
 The policy object (the `Policy` Protocol of policy_interface.py) does the tensor work (a local
 `DeepSpeedPolicy`, or `RayPolicy` spreading it over DeepSpeed processes); everything else here is bookkeeping
-and service calls. Each step returns a `StepRecord` (records.py), which is also logged and sent to the gauges.
+and service calls. Each step returns a `StepRecord` (records.py), which is also logged and sent to the gauges
+and to TensorBoard / W&B (tracking.py).
 
 Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
 process SIGKILLs itself right after that step's checkpoint is written, as a crash would.
@@ -31,7 +32,7 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
 from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.client import Replica
 from rlep.services.rollout.types import Sampling
 from rlep.services.weights.config import AutoSyncConfig, NcclSyncConfig
@@ -73,11 +75,13 @@ class Trainer:
         metrics: LearnerMetrics | None = None,
         eval_questions: list[Question] | None = None,
         on_step: Callable[[LogRecord], None] | None = None,
+        sinks: Sequence[StepSink] = (),
     ):
         self.config, self.model_dir, self.questions, self.policy = config, model_dir, questions, policy
         self.services, self.tokenizer, self.metrics = services, tokenizer, metrics
         self.eval_questions = eval_questions or []
         self.on_step = on_step
+        self.sinks = sinks  # TensorBoard / W&B (tracking.py); the caller closes them
         self.cursor = DataCursor(len(questions), config.seed, config.data.shuffle)
         self.step = 0
         self.version = 0
@@ -294,6 +298,8 @@ class Trainer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as f:
                 f.write(format_record(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record.step, record.to_json())
         if self.on_step:
             self.on_step(record)
 

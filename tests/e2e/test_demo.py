@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlep.services.learner.records import StepRecord, read_step_log
+from tests.tracking_util import jsonl_scalars, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,6 +61,18 @@ def test_demo_writes_table_plot_and_results(demo_run):
         times = [r.step_seconds for r in log if isinstance(r, StepRecord)]
         assert len(times) == config.steps
         assert summary[f"{run}_step_seconds"] == pytest.approx(sum(times) / len(times))
+
+
+def test_each_run_logs_its_jsonl_figures_to_tensorboard(demo_run):
+    """Under <out_dir>/<run>/tensorboard, per step and name, the step-0 evaluation included."""
+    config, _ = demo_run
+    for run in ("baseline", "rlep"):
+        scalars = read_scalars(config.out_dir / run / "tensorboard")
+        expected = jsonl_scalars(read_step_log(config.out_dir / run / "log.jsonl"))
+        assert scalars.keys() == expected.keys(), run
+        for name, by_step in expected.items():
+            assert scalars[name] == pytest.approx(by_step, rel=1e-6), (run, name)
+        assert sorted(scalars["eval_accuracy"]) == list(range(config.steps + 1))
 
 
 def test_both_runs_start_from_the_warmup_checkpoint(demo_run):

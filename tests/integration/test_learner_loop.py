@@ -16,6 +16,7 @@ import torch
 from rlep.common.dataset import question_id
 from rlep.common.types import Trajectory, Verdict
 from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
+from tests.tracking_util import jsonl_scalars, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -177,6 +178,11 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
         set(r.phase_seconds) == {"rollout", "verify", "replay", "train", "weight_push", "rollout_wait"} for r in log
     )
     assert all(r.policy_staleness_max == 0 and r.groups_dropped_stale == 0 for r in log)  # synchronous steps
+    # TensorBoard (on by default, under the checkpoint dir) holds the JSONL's figures, per step and name.
+    scalars, expected = read_scalars(tmp_path / "ckpt" / "tensorboard"), jsonl_scalars(log)
+    assert scalars.keys() == expected.keys() and "phase_seconds/train" in scalars
+    for name, by_step in expected.items():
+        assert scalars[name] == pytest.approx(by_step, rel=1e-6), name
 
 
 def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path):
