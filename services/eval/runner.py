@@ -36,7 +36,7 @@ from rlep.services.eval.core import (
 from rlep.services.eval.store import JobStore, new_attempt
 from rlep.services.rollout.client import RolloutClient
 from rlep.services.rollout.types import Completion, Sampling
-from rlep.services.verifier.client import VerifierClient
+from rlep.services.verifier.client import VerifierClient, verify_groups
 
 log = logging.getLogger(__name__)
 
@@ -243,13 +243,11 @@ class JobRunner:
 
     def _score_chunk(self, chunk: list[Question], completions: list[Completion], tally: DatasetTally) -> set[int]:
         """Verifies and scores one chunk of questions into `tally`; returns the policy versions seen."""
-        items = [(s.text, q.ground_truth) for q, c in zip(chunk, completions, strict=True) for s in c.samples]
-        outcomes = iter(self._backends.verifier.verify(items))
+        groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
         versions: set[int] = set()
-        for completion in completions:
+        for completion, outcomes in zip(completions, verify_groups(self._backends.verifier, groups), strict=True):
             scores = []
-            for sample in completion.samples:
-                outcome = next(outcomes)
+            for sample, outcome in zip(completion.samples, outcomes, strict=True):
                 truncated = sample.finish_reason == FinishReason.LENGTH
                 scores.append(SampleScore(outcome.verdict, outcome.extracted_answer, len(sample.token_ids), truncated))
                 versions.add(sample.policy_version)

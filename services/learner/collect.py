@@ -36,6 +36,7 @@ from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.types import Sampling
+from rlep.services.verifier.client import verify_groups
 
 STATE_DIR = Path.home() / ".cache" / "rlep" / "collect"
 
@@ -199,12 +200,11 @@ def _collect_chunk(
             seed=config.seed * 1_000_003 + index,
         ),
     )
-    items = [(s.text, q.ground_truth) for q, c in zip(chunk, completions, strict=True) for s in c.samples]
-    verified = iter(services.verifier.verify(items))
+    groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
+    verified = verify_groups(services.verifier, groups)
     keep: list[Trajectory] = []
     fingerprint = tokenizer.fingerprint if tokenizer else ""
-    for question, completion in zip(chunk, completions, strict=True):
-        outcomes = [next(verified) for _ in completion.samples]
+    for question, completion, outcomes in zip(chunk, completions, verified, strict=True):
         sampled = sampled_trajectories(
             question.question_id,
             completion.prompt_token_ids,

@@ -28,6 +28,7 @@ from rlep.services.learner.experience import ReplayReport, group_varies, prepare
 from rlep.services.learner.metrics import PHASES
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.rollout.types import Sampling
+from rlep.services.verifier.client import verify_groups
 
 if TYPE_CHECKING:
     from rlep.services.replay.client import ReplayClient
@@ -150,19 +151,13 @@ class StepInputs:
                 ),
             )
         with timer.phase("verify"):
-            items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
-            outcomes = iter(self.services.verifier.verify(items))
+            groups = [
+                (q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)
+            ]
+            outcomes = verify_groups(self.services.verifier, groups)
             fresh = [
-                score_fresh(
-                    q.question_id,
-                    p,
-                    c,
-                    [next(outcomes) for _ in c.samples],
-                    algo,
-                    self.config.run_id,
-                    self.tokenizer.fingerprint,
-                )
-                for q, p, c in zip(questions, prompts, completions, strict=True)
+                score_fresh(q.question_id, p, c, o, algo, self.config.run_id, self.tokenizer.fingerprint)
+                for q, p, c, o in zip(questions, prompts, completions, outcomes, strict=True)
             ]
         truncated = sum(p.truncated_tokens > 0 for p in prompts)
         if truncated:
@@ -213,9 +208,8 @@ class StepInputs:
         if replayed and algo.reverify_replayed:
             with timer.phase("verify"):
                 truths = {q.question_id: q.ground_truth for q in gathered.questions}
-                order = [(qid, t) for qid, group in replayed.items() for t in group]
-                results = iter(self.services.verifier.verify([(t.response_text, truths[qid]) for qid, t in order]))
-                outcomes = {qid: [next(results) for _ in group] for qid, group in replayed.items()}
+                groups = [(truths[qid], [t.response_text for t in group]) for qid, group in replayed.items()]
+                outcomes = dict(zip(replayed, verify_groups(self.services.verifier, groups), strict=True))
         replayed = score_replayed(replayed, outcomes, algo, report)
         report.dropped = +report.dropped  # keep only reasons that happened
         if report.used == 0:

@@ -52,6 +52,7 @@ from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.client import Replica
 from rlep.services.rollout.types import Sampling
+from rlep.services.verifier.client import verify_groups
 from rlep.services.weights.config import AutoSyncConfig, NcclSyncConfig
 from rlep.services.weights.transport import setup_weight_transport
 
@@ -242,8 +243,8 @@ class Trainer:
                 seed=self.config.seed,
             ),
         )
-        items = [(s.text, q.ground_truth) for q, c in zip(questions, completions, strict=True) for s in c.samples]
-        outcomes = self.services.verifier.verify(items)
+        groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)]
+        outcomes = [o for group in verify_groups(self.services.verifier, groups) for o in group]
         return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
 
     def _record(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from rlep.common.grpc_utils import call_with_retry, make_channel
 from rlep.common.types import Verdict
@@ -65,3 +66,21 @@ class VerifierClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Verifies(Protocol):
+    def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyOutcome]: ...
+
+
+def verify_groups(verifier: Verifies, groups: Sequence[tuple[str, Sequence[str]]]) -> list[list[VerifyOutcome]]:
+    """Checks every group's responses against its ground truth, all in one `verify` (the verifier batches and
+    spreads them over its workers); the outcomes come back grouped as given.
+
+    Args:
+        groups: `(ground_truth, responses)` per question (or per completion).
+
+    Returns:
+        One list of outcomes per group, in the order of its responses.
+    """
+    outcomes = iter(verifier.verify([(response, truth) for truth, responses in groups for response in responses]))
+    return [[next(outcomes) for _ in responses] for _, responses in groups]
