@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from rlep.common.algorithm import mini_batch_normalizer, policy_loss
 from rlep.common.config import load_config
 from rlep.common.types import Group, Trajectory
+from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss
 from rlep.services.learner.batch import ExperienceBatch, build_batch, mini_batches, token_logprobs
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.micro_batch_plan import plan_micro_batches

@@ -39,9 +39,9 @@ PHASES = ("rollout", "verify", "replay", "train", "weight_push", "rollout_wait")
 def prepare(args):
     """The demo's settings, data and warm-up checkpoint (reused when this output directory has it)."""
     from rlep.common.tiny_model import cached_model
-    from rlep.services.cli.demo import load_demo_config
-    from rlep.services.learner.task import make_problems, write_parquet
-    from rlep.services.learner.warmup import warmup
+    from rlep.services.demo.runner import load_demo_config
+    from rlep.services.demo.task import make_problems, write_parquet
+    from rlep.services.demo.warmup import warmup
 
     demo = load_demo_config(sets=[f"steps={args.steps}", f"out_dir={args.out_dir}"])
     out = Path(args.out_dir)
@@ -58,8 +58,8 @@ def prepare(args):
 
 
 def run(demo, warm_dir, train_data, eval_data, stack, arm: dict, replayed: int) -> dict:
-    from rlep.services.cli.demo import demo_train_config
     from rlep.services.cli.run import run_training
+    from rlep.services.demo.runner import demo_train_config
     from rlep.services.learner.config import TrainConfig
 
     staleness, correction, seed = arm["max_staleness"], arm["behavior_correction"], arm["seed"]
@@ -204,8 +204,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlep.common.ray_local import init_ray
-    from rlep.services.cli.demo import demo_train_config
     from rlep.services.cli.stack import ServiceStack
+    from rlep.services.demo.runner import demo_train_config
 
     demo, warm_dir, train_data, eval_data = prepare(args)
     init_ray()

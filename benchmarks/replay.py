@@ -53,7 +53,7 @@ def make_batch(questions: range, per_question: int):
 
 def raw_sample(client, prefix: str, question_ids: list[str], m: int, seed: int) -> int:
     """The same reads as the service, with plain redis-py pipelines; returns trajectories read."""
-    from rlep.services.replay.core import choose_uniform_indices, question_stream_seed
+    from rlep.services.replay.sampling import choose_uniform_indices, question_stream_seed
 
     pipe = client.pipeline(transaction=False)
     for qid in question_ids:

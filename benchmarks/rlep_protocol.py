@@ -119,7 +119,7 @@ class ProtocolConfig(StrictModel):
 
 
 def demo_train_settings() -> dict[str, Any]:
-    from rlep.services.cli.demo import load_demo_config
+    from rlep.services.demo.runner import load_demo_config
 
     return load_demo_config().train.model_dump(exclude_unset=True)
 
@@ -161,7 +161,7 @@ def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float 
     """The one warm-up checkpoint of the protocol, under ~/.cache/rlep/warmup/<key of its settings>/ (built when
     missing, if `build`), and its pass@1."""
     from rlep.common.tiny_model import cached_model
-    from rlep.services.learner.warmup import RESULT_FILE, WarmupConfig, warmup
+    from rlep.services.demo.warmup import RESULT_FILE, WarmupConfig, warmup
 
     config = WarmupConfig(terms=cfg.terms, max_value=cfg.max_value, max_new_tokens=cfg.max_response_tokens)
     base = cached_model("tiny")
@@ -220,7 +220,7 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
     """Phase 1 into `pool` (dropped first) from `checkpoint`; returns the collection's and the pool's figures."""
     from rlep.services.cli.run import policy_tokenizer
     from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
-    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.cursor import load_questions
 
     done = cfg.work_dir / f"pool-{pool}.json"
     replay = stack.services.replay
@@ -256,8 +256,8 @@ def pool_figures(replay, pool: str, questions) -> dict:
     """Coverage and diversity of a pool, read back from the replay service (what RLEP can actually draw)."""
     from dataclasses import asdict
 
+    from rlep.services.demo.task import make_problem, solution_paths
     from rlep.services.eval.compare import pool_diversity
-    from rlep.services.learner.task import make_problem, solution_paths
 
     texts: dict[str, list[str]] = {}
     for chunk in replay.export(pool):
@@ -284,7 +284,7 @@ def copy_pool(replay, source: str, target: str) -> None:
 def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
     from rlep.common.ray_local import init_ray
     from rlep.services.cli.stack import ServiceStack
-    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.demo.task import make_problems, write_parquet
 
     started = time.perf_counter()
     cfg.work_dir.mkdir(parents=True, exist_ok=True)

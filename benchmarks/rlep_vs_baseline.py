@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="DemoConfig override, key=value")
     args = parser.parse_args()
 
-    from rlep.services.cli.demo import load_demo_config, run_demo
+    from rlep.services.demo.runner import load_demo_config, run_demo
 
     results = []
     for seed in args.seeds:

@@ -96,7 +96,7 @@ def rl_items(rows: list[tuple[str, str]], questions: int, group_size: int, seed:
 
 
 def _timed_share(share: Items, warmup: Items, barrier, results) -> None:
-    from rlep.services.verifier.core import check_answer
+    from rlep.services.verifier.judge import check_answer
 
     logging.disable(logging.WARNING)  # math-verify's one-time "Timeout is disabled" notice: we limit CPU time
 

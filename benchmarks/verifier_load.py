@@ -28,7 +28,7 @@ def _spin(stop) -> None:
 
 
 def run(repeats: int, workers: int, loaded: bool) -> dict[str, int]:
-    from rlep.services.verifier.core import CheckOptions
+    from rlep.services.verifier.judge import CheckOptions
     from rlep.services.verifier.pool import VerifyPool
 
     pool = VerifyPool(num_workers=workers, item_timeout_s=30.0, options=CheckOptions(parse_timeout_s=1))

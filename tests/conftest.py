@@ -55,8 +55,8 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(smollm2_gguf) -> Path:
     """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` and
     cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
-    from rlep.common.model_import import PROVENANCE_FILE, import_model
     from rlep.common.tiny_model import default_cache_dir
+    from rlep.services.cli.model_import import PROVENANCE_FILE, import_model
 
     target = default_cache_dir() / "smollm2-135m-instruct"
     if not (target / PROVENANCE_FILE).exists():

@@ -63,7 +63,7 @@ say "a driver with a wrong Ray token is refused: $(grep -o 'InvalidAuthToken: [^
 
 in_head mkdir -p /cache/cluster
 in_head python -c "
-from rlep.services.learner.task import make_problems, write_parquet
+from rlep.services.demo.task import make_problems, write_parquet
 write_parquet(make_problems(64, 0, 'train'), '/cache/cluster/train.parquet', with_candidates=True)"
 docker exec -i "$head" sh -c 'cat > /cache/cluster/train.yaml' <<EOF
 run_id: ray-cluster

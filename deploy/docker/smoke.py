@@ -228,7 +228,7 @@ def eval_job() -> dict:
 
 def write_data(directory: Path) -> None:
     """A tiny RLEP-format training set (the demo's arithmetic task with candidates, which seed the pool)."""
-    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.demo.task import make_problems, write_parquet
 
     write_parquet(make_problems(16, 0, "train"), directory / "smoke.parquet", with_candidates=True)
     # The learner runs as uid 1000; mkdtemp makes a 0700 directory.

@@ -14,8 +14,8 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
-from rlep.common.model_import import model_app
 from rlep.services.cli.errors import RlepGroup, UserError, config_error, reaching
+from rlep.services.cli.model_import import model_app
 from rlep.services.cli.pool import pool_app
 
 app = typer.Typer(
@@ -182,7 +182,7 @@ def _without_traceback(run: Callable[[], Any]) -> Any:
 @proto_app.command("gen")
 def proto_gen() -> None:
     """Regenerate the Python stubs next to every .proto file."""
-    from rlep.common.protogen import generate
+    from rlep.services.cli.protogen import generate
 
     written = _without_traceback(generate)
     folders = sorted({str(path.parent.parent.parent) for path in written})
@@ -192,7 +192,7 @@ def proto_gen() -> None:
 @proto_app.command("check")
 def proto_check() -> None:
     """Fail if the committed stubs differ from what the .proto files generate."""
-    from rlep.common.protogen import stale_stubs
+    from rlep.services.cli.protogen import stale_stubs
 
     stale = _without_traceback(stale_stubs)
     if stale:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rlep.common.ray_local import init_ray
 from rlep.services.cli.stack import ServiceStack
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import load_questions
+from rlep.services.learner.cursor import load_questions
 from rlep.services.learner.pool_seed import seed_pool_from_candidates
 from rlep.services.learner.ray_policy import RayPolicy
 from rlep.services.learner.records import LogRecord, StepRecord

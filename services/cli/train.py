@@ -165,7 +165,7 @@ def collect(
         run_settings,
     )
     from rlep.services.learner.collect import collect as run_collect
-    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.cursor import load_questions
     from rlep.services.learner.tokens import PolicyTokenizer
     from rlep.services.learner.tracking import setup_step_sinks
 
@@ -236,7 +236,7 @@ def demo(
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
     from rlep.common.config import dump_config_json
-    from rlep.services.cli.demo import DemoConfig, load_demo_config
+    from rlep.services.demo.runner import DemoConfig, load_demo_config
 
     try:
         resolved = load_demo_config(config, set_, {"seed": seed, "out_dir": out_dir})
@@ -246,7 +246,7 @@ def demo(
         typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlep.services.cli.demo import run_demo
+    from rlep.services.demo.runner import run_demo
 
     run_demo(resolved)
 

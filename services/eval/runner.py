@@ -25,7 +25,7 @@ from rlep.common.files import load_safetensors
 from rlep.common.types import FinishReason
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from rlep.services.eval.config import EvalConfig
-from rlep.services.eval.core import (
+from rlep.services.eval.scoring import (
     CURRENT_POLICY,
     DatasetTally,
     SampleScore,

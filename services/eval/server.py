@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlep.common.auth import check_bearer
 from rlep.services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
 from rlep.services.eval.config import EvalConfig
-from rlep.services.eval.core import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
+from rlep.services.eval.scoring import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
 from rlep.services.eval.store import JobStore
 
 

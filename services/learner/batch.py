@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rlep.common.algorithm import NonFiniteError, flatten_groups, group_advantages
 from rlep.common.types import Group, Source
+from rlep.services.learner.algorithm import NonFiniteError, flatten_groups, group_advantages
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlep.common.algorithm import LossAgg
 from rlep.common.config import StrictModel, TlsFiles
+from rlep.services.learner.algorithm import LossAgg
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, port_range_error
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlep.common.algorithm import behavior_weights, mini_batch_normalizer, policy_loss, warmup_lr
+from rlep.services.learner.algorithm import behavior_weights, mini_batch_normalizer, policy_loss, warmup_lr
 from rlep.services.learner.batch import ExperienceBatch, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (

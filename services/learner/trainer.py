@@ -4,7 +4,7 @@ A step (RLEP / DAPO-nodyn, defaults in config.py): B questions from the cursor, 
 left-truncated by the learner (`tokens.py`) -> rollout samples G each -> verifier scores them
 (+ overlong shaping); with dynamic sampling, groups whose rewards are all equal are dropped and more
 questions generated until B are kept -> replay adds M stored successes per question, laid out and
-scored like fresh samples (`experience.py`) -> advantages over each mixed group of G+M -> old logprobs
+scored like fresh samples (`scoring.py`) -> advantages over each mixed group of G+M -> old logprobs
 of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
 to every rollout replica. M=0 is the baseline, on the same path.
 
@@ -41,13 +41,13 @@ import torch
 from rlep.common.types import Group, Trajectory, Verdict
 from rlep.services.learner.batch import ExperienceBatch, build_batch
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import DataCursor, Question
-from rlep.services.learner.experience import ReplayReport
+from rlep.services.learner.cursor import DataCursor, Question
+from rlep.services.learner.generation import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.metrics import LearnerMetrics
 from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
-from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
+from rlep.services.learner.scoring import ReplayReport
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.client import Replica

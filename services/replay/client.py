@@ -11,7 +11,7 @@ from rlep.common.types import Trajectory
 from rlep.common.v1 import trajectory_pb2
 from rlep.common.wire import trajectory_from_proto, trajectory_to_proto
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep.services.replay.core import Strategy
+from rlep.services.replay.sampling import Strategy
 
 # One step's Sample is ~1 MB and milliseconds; adds and stats on a big pool take longer.
 DEFAULT_TIMEOUT_S = 60.0

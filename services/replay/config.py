@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlep.common.config import ServerConfig, StrictModel
-from rlep.services.replay.core import Eviction
+from rlep.services.replay.sampling import Eviction
 
 DEFAULT_PORT = 50062
 

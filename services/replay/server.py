@@ -29,8 +29,8 @@ from rlep.common.types import trajectory_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.config import ReplayConfig
-from rlep.services.replay.core import Strategy, check_pool_name, check_question_id, question_id_problem
 from rlep.services.replay.errors import RedisHealth, keep_going_check, status_for_errors
+from rlep.services.replay.sampling import Strategy, check_pool_name, check_question_id, question_id_problem
 from rlep.services.replay.store import LimitExceeded, RedisReplayStore, SampleBudget, StoredTrajectory, now_ms
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayBuffer"]

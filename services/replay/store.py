@@ -36,7 +36,8 @@ import redis
 
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
-from rlep.services.replay.core import (
+from rlep.services.replay.lua import ADD_SCRIPT, SAMPLE_UNIFORM_SCRIPT
+from rlep.services.replay.sampling import (
     Candidate,
     Eviction,
     Strategy,
@@ -45,7 +46,6 @@ from rlep.services.replay.core import (
     question_rng,
     question_stream_seed,
 )
-from rlep.services.replay.lua import ADD_SCRIPT, SAMPLE_UNIFORM_SCRIPT
 
 ROOT = "rlep:replay"
 # One Lua call blocks every other client of Redis: ~2k picks take a few milliseconds.

@@ -1,6 +1,6 @@
-"""gRPC adapter of a rollout worker: proto <-> `RolloutEngine` and `core`, error codes, metrics.
+"""gRPC adapter of a rollout worker: proto <-> `RolloutEngine` and `requests`, error codes, metrics.
 
-Request checks, prompt tokenisation and weight intake live in `core.py`; this file maps their
+Request checks, prompt tokenisation and weight intake live in `requests.py`; this file maps their
 ValueError / WeightError to INVALID_ARGUMENT and the engine's errors to their codes. Every call is
 counted by method and code by the server's `StatusCountInterceptor` (`rlep_rollout_requests_total`).
 """
@@ -23,7 +23,6 @@ from rlep.common.metrics import MetricFactory
 from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.config import RolloutConfig
-from rlep.services.rollout.core import PromptEncoder, WeightIntake, sampling_from_request
 from rlep.services.rollout.engine import (
     BroadcastFailed,
     CallAbandoned,
@@ -31,6 +30,7 @@ from rlep.services.rollout.engine import (
     RolloutEngine,
     VersionError,
 )
+from rlep.services.rollout.requests import PromptEncoder, WeightIntake, sampling_from_request
 from rlep.services.rollout.types import Generation
 from rlep.services.weights.payload import WeightError
 from rlep.services.weights.wire import decode_chunk

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from rlep.common.lifecycle import RunningService, serve_until_signal, start_service
 from rlep.common.metrics import service_registry
 from rlep.services.verifier.config import VerifierConfig
-from rlep.services.verifier.core import CheckOptions
+from rlep.services.verifier.judge import CheckOptions
 from rlep.services.verifier.pool import VerifyPool
 from rlep.services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
 

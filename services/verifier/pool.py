@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from rlep.common.types import Verdict
 from rlep.services.verifier.cache import LruCache
-from rlep.services.verifier.core import CheckKey, CheckOptions, CheckResult, prepare_check
+from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, prepare_check
 from rlep.services.verifier.queues import CLOSED, WorkQueues
 from rlep.services.verifier.worker import ParseStats, Worker
 

@@ -18,7 +18,7 @@ from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
 from rlep.services.verifier.config import VerifierConfig
-from rlep.services.verifier.core import reward_of
+from rlep.services.verifier.judge import reward_of
 from rlep.services.verifier.pool import VerifyPool
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 from rlep.common.types import Verdict
-from rlep.services.verifier.core import CheckKey, CheckOptions, CheckResult, ParseCache, check_answer, check_key
+from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, ParseCache, check_answer, check_key
 
 # A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
 WORKER_START_TIMEOUT_S = 60.0

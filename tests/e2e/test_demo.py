@@ -25,7 +25,7 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def demo_run(ray_local, tmp_path_factory):
-    from rlep.services.cli.demo import load_demo_config, run_demo
+    from rlep.services.demo.runner import load_demo_config, run_demo
 
     out = tmp_path_factory.mktemp("demo")
     # configs/demo.yaml with smaller sizes (its lr, response length and training settings are kept).

@@ -63,7 +63,7 @@ def checked_command(container: dict) -> list[str]:
 def test_every_rendered_container_runs_its_command_in_the_image(tmp_path):
     if reason := image_missing():
         pytest.skip(f"chart commands in the image NOT run: {reason}")
-    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.demo.task import make_problems, write_parquet
 
     docs = render({"learner": LEARNER_ON})
     configmaps = by_kind(docs, "ConfigMap")

@@ -28,8 +28,8 @@ from rlep.services.cli.app import app
 from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus
 from rlep.services.eval.client import EvalApiError, EvalClient
 from rlep.services.eval.config import EvalConfig
-from rlep.services.eval.core import DatasetTally, SampleScore, load_dataset, score_question
 from rlep.services.eval.main import start_eval
+from rlep.services.eval.scoring import DatasetTally, SampleScore, load_dataset, score_question
 from rlep.services.rollout.types import Sampling
 from tests.metrics_util import series_value
 

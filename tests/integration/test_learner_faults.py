@@ -23,7 +23,7 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
     from rlep.common.tiny_model import cached_model
     from rlep.services.cli.run import policy_tokenizer
     from rlep.services.cli.stack import ServiceStack
-    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.cursor import load_questions
     from rlep.services.learner.ray_policy import RayPolicy
     from rlep.services.learner.trainer import Trainer
 

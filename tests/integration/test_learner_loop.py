@@ -294,7 +294,7 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
 
     from rlep.services.cli.run import run_training
     from rlep.services.learner.config import TrainConfig
-    from rlep.services.learner.data import DataCursor, load_questions
+    from rlep.services.learner.cursor import DataCursor, load_questions
     from rlep.services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
     from tests.integration.test_serve_cli import rlep_command
 
@@ -381,8 +381,8 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
     from dataclasses import replace
 
     from rlep.services.learner.collect import CollectConfig, collect
-    from rlep.services.learner.data import load_questions
-    from rlep.services.learner.step_inputs import ServiceClients
+    from rlep.services.learner.cursor import load_questions
+    from rlep.services.learner.generation import ServiceClients
 
     arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
     questions = load_questions([tmp_path / "train.parquet"])

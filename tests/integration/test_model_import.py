@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_converted_model_chats_and_answers(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlep.services.learner.data import load_questions
+    from rlep.services.learner.cursor import load_questions
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)

@@ -9,7 +9,7 @@ from rlep.common.grpc_utils import make_channel
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
-from rlep.services.replay.core import Strategy
+from rlep.services.replay.sampling import Strategy
 
 pytestmark = pytest.mark.integration
 
@@ -248,7 +248,7 @@ def test_wrong_token_is_unauthenticated(replay):
 
 
 def test_lua_uniform_draw_matches_its_python_reference(replay_client, pool_name):
-    from rlep.services.replay.core import choose_uniform_indices, question_stream_seed
+    from rlep.services.replay.sampling import choose_uniform_indices, question_stream_seed
 
     batch = [success("q", i) for i in range(7)]
     replay_client.add(pool_name, batch)

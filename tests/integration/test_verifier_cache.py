@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlep.common.types import Verdict
-from rlep.services.verifier.core import CheckOptions, check_answer
+from rlep.services.verifier.judge import CheckOptions, check_answer
 from rlep.services.verifier.pool import VerifyPool
 from tests.metrics_util import scrape, series_value
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlep.common.types import Verdict
-from rlep.services.verifier.core import CheckOptions
+from rlep.services.verifier.judge import CheckOptions
 from rlep.services.verifier.pool import WINDOW, VerifyPool
 
 pytestmark = pytest.mark.integration

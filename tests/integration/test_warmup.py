@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rlep.common.tiny_model import ModelSpec, cached_model
-from rlep.services.learner.task import is_correct, make_problem, make_problems
-from rlep.services.learner.warmup import (
+from rlep.services.demo.task import is_correct, make_problem, make_problems
+from rlep.services.demo.warmup import (
     RESULT_FILE,
     WarmupConfig,
     completion_loss,

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rlep.common.algorithm import (
+from rlep.common.types import Group, Source, Trajectory
+from rlep.services.learner.algorithm import (
     NonFiniteError,
     flatten_groups,
     group_advantages,
@@ -13,7 +14,6 @@ from rlep.common.algorithm import (
     policy_loss,
     warmup_lr,
 )
-from rlep.common.types import Group, Source, Trajectory
 
 
 def verl_grpo_reference(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-6) -> torch.Tensor:

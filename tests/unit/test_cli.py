@@ -162,7 +162,7 @@ def test_collect_flags_left_out_take_the_config_defaults(tmp_path, monkeypatch):
 
 
 def test_demo_runs_take_the_shared_settings_and_differ_only_in_m_and_names(tmp_path):
-    from rlep.services.cli.demo import demo_train_config, load_demo_config
+    from rlep.services.demo.runner import demo_train_config, load_demo_config
 
     demo = load_demo_config(flags={"out_dir": tmp_path})
     paths = (tmp_path / "warmup", tmp_path / "train.parquet", tmp_path / "eval.parquet")

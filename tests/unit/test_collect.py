@@ -20,7 +20,7 @@ from rlep.services.learner.collect import (
     load_state,
     run_settings,
 )
-from rlep.services.learner.data import load_questions
+from rlep.services.learner.cursor import load_questions
 from rlep.services.learner.trainer import ServiceClients
 from rlep.services.rollout.types import Completion, SampleOut
 
@@ -167,8 +167,8 @@ class ServicesStarted(Exception):
 
 
 def test_cli_resumes_its_own_state_file_and_refuses_another_runs(tmp_path, monkeypatch):
+    from rlep.services.demo.task import make_problems, write_parquet
     from rlep.services.learner.config import TrainConfig
-    from rlep.services.learner.task import make_problems, write_parquet
 
     data = write_parquet(make_problems(4, 0, "train"), tmp_path / "train.parquet")
     ckpt = checkpoint_dir(tmp_path / "ckpt")

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # Config files of jobs rather than services: file stem -> config class.
-JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig", "demo": "rlep.services.cli.demo:DemoConfig"}
+JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig", "demo": "rlep.services.demo.runner:DemoConfig"}
 
 
 def test_every_config_file_parses():

@@ -91,8 +91,8 @@ def learner_mounts(docs: list[dict]) -> set[str]:
 
 def test_rendered_train_config_passes_rlep_train_dry_run_and_finds_its_data(docs, tmp_path):
     """The learner's config names training files on its mounted volumes, and the real CLI accepts it."""
-    from rlep.services.learner.data import load_questions
-    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.demo.task import make_problems, write_parquet
+    from rlep.services.learner.cursor import load_questions
 
     text = by_kind(docs, "ConfigMap")["rlep-config"]["data"]["train.yaml"]
     rendered = yaml.safe_load(text)

@@ -7,7 +7,7 @@ import torch
 
 from rlep.common.types import Group, Source, Trajectory, Verdict
 from rlep.services.learner.batch import build_batch, mini_batches, token_logprobs
-from rlep.services.learner.data import DataCursor, load_questions
+from rlep.services.learner.cursor import DataCursor, load_questions
 from tests.conftest import TEST_DATA
 
 
@@ -55,7 +55,7 @@ def test_trajectories_without_tokens_are_refused():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_rewards_are_refused_naming_the_trajectory(bad):
-    from rlep.common.algorithm import NonFiniteError
+    from rlep.services.learner.algorithm import NonFiniteError
 
     poisoned = trajectory("b", (9,), bad, Source.REPLAY)
     groups = [Group("a", "1", [trajectory("a", (8,), 1.0)]), Group("b", "2", [trajectory("b", (8,), 0.0), poisoned])]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep.common.algorithm import aggregate_loss, behavior_weights, policy_loss
 from rlep.common.types import Group, Source, Trajectory
+from rlep.services.learner.algorithm import aggregate_loss, behavior_weights, policy_loss
 from rlep.services.learner.batch import build_batch, token_scores
 
 META = torch.device("meta")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep.common.algorithm import LOSS_AGGREGATIONS, aggregate_loss, mini_batch_normalizer, policy_loss
+from rlep.services.learner.algorithm import LOSS_AGGREGATIONS, aggregate_loss, mini_batch_normalizer, policy_loss
 
 ROWS, LENGTH, FEATURES = 10, 7, 4
 

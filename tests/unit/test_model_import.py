@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rlep.common.model_import import ImportRefused, detect_format
 from rlep.services.cli.app import app
+from rlep.services.cli.model_import import ImportRefused, detect_format
 
 runner = CliRunner()
 
@@ -66,7 +66,7 @@ def test_unsupported_gguf_architecture_is_refused_and_leaves_nothing(tmp_path):
     import gguf
     import numpy as np
 
-    from rlep.common.model_import import import_model
+    from rlep.services.cli.model_import import import_model
 
     source = tmp_path / "src" / "odd.gguf"
     source.parent.mkdir()

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from rlep.common.algorithm import policy_loss
 from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
+from rlep.services.learner.algorithm import policy_loss
+from rlep.services.learner.generation import Gathered
 from rlep.services.learner.overlap import Staleness, drop_stale_groups, fresh_staleness
-from rlep.services.learner.step_inputs import Gathered
 
 
 def _groups(versions: list[list[int]]) -> Gathered:
@@ -54,7 +54,7 @@ def test_truncated_is_weights_a_stale_token_by_its_ratio_to_the_sampler():
     """The same token with `truncated_is`: pi_old / pi_sampler = 0.5 / 0.1 = 5, truncated at the cap 2, scales the
     on-policy gradient; a token the sampler over-weighted (0.5 vs 0.8 now) is down-weighted by 0.625; a token with
     no sampler logprob (a replayed row, NaN) keeps weight 1."""
-    from rlep.common.algorithm import behavior_weights
+    from rlep.services.learner.algorithm import behavior_weights
 
     learner = torch.tensor([[math.log(0.5), math.log(0.5), math.log(0.5)]], requires_grad=True)
     sampler = torch.tensor([[math.log(0.1), math.log(0.8), float("nan")]])
@@ -70,7 +70,7 @@ def test_truncated_is_weights_a_stale_token_by_its_ratio_to_the_sampler():
 
 
 def test_behavior_weights_refuse_a_cap_below_one_and_mismatched_shapes():
-    from rlep.common.algorithm import behavior_weights
+    from rlep.services.learner.algorithm import behavior_weights
 
     with pytest.raises(ValueError, match="cap"):
         behavior_weights(torch.zeros(1, 2), torch.zeros(1, 2), cap=0.5)

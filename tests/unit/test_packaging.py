@@ -68,7 +68,7 @@ def test_every_module_and_data_file_is_in_the_wheel(wheel):
 def test_the_unpacked_wheel_works_outside_the_checkout(unpacked, tmp_path):
     script = """
 import importlib.resources, json
-import rlep.common.config as config, rlep.common.protogen as protogen, rlep.services.replay.client
+import rlep.common.config as config, rlep.services.cli.protogen as protogen, rlep.services.replay.client
 print(json.dumps({
     "datasets": sorted(p.name for p in importlib.resources.files("rlep.services.eval.datasets").iterdir()),
     "replay_client": rlep.services.replay.client.__file__,

@@ -2,7 +2,7 @@
 
 import shutil
 
-from rlep.common.protogen import package_roots, proto_files, stale_stubs
+from rlep.services.cli.protogen import package_roots, proto_files, stale_stubs
 
 
 def test_committed_stubs_match_the_protos():

@@ -1,4 +1,4 @@
-"""Sampling checks of a Generate request (services/rollout/core.py), and that vLLM accepts whatever they pass."""
+"""Sampling checks of a Generate request (services/rollout/requests.py), and that vLLM accepts whatever they pass."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.config import RolloutConfig
-from rlep.services.rollout.core import sampling_from_request
+from rlep.services.rollout.requests import sampling_from_request
 
 CONFIG = RolloutConfig(max_n=8, max_prompts_per_request=4, max_samples_per_request=16)
 

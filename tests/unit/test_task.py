@@ -7,7 +7,7 @@ import pytest
 
 from rlep.common.answers import extract_answer
 from rlep.common.dataset import question_id
-from rlep.services.learner.task import (
+from rlep.services.demo.task import (
     DATA_SOURCE,
     Problem,
     is_correct,

@@ -9,7 +9,7 @@ import pytest
 
 from rlep.common.types import Verdict
 from rlep.services.verifier.cache import LruCache
-from rlep.services.verifier.core import CheckKey, CheckOptions, ParseCache, check_answer, check_key, prepare_check
+from rlep.services.verifier.judge import CheckKey, CheckOptions, ParseCache, check_answer, check_key, prepare_check
 from rlep.services.verifier.queues import CLOSED, WorkQueues
 
 

@@ -1,7 +1,7 @@
 """Supervised warm-up of the demo's tiny model on the arithmetic task, and pass@1 at T=1 on eval problems.
 
 RL from a randomly initialised model learns nothing (no response is ever rewarded), so `rlep demo`
-first fine-tunes the tiny model on worked solutions (`rlep.services.learner.task`) just long enough that it
+first fine-tunes the tiny model on worked solutions (`rlep.services.demo.task`) just long enough that it
 solves some problems: RL then has both signal and room. `warmup` trains with plain torch (AdamW,
 linear lr warm-up then cosine decay, gradient clipping, loss on the completion tokens only), saves an
 HF checkpoint that vLLM and transformers load (weights + the tokenizer files of the source model),
@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import Field
 
 from rlep.common.config import StrictModel
-from rlep.services.learner.task import (
+from rlep.services.demo.task import (
     MAX_VALUE,
     TERMS,
     Problem,

@@ -16,9 +16,9 @@ from rlep.common.dataset import Question
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Trajectory, Verdict
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import DataCursor
-from rlep.services.learner.experience import ReplayReport
-from rlep.services.learner.step_inputs import ReplayMissingError, ServiceClients, StepInputs, StepTimer
+from rlep.services.learner.cursor import DataCursor
+from rlep.services.learner.generation import ReplayMissingError, ServiceClients, StepInputs, StepTimer
+from rlep.services.learner.scoring import ReplayReport
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.rollout.types import Completion, SampleOut
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rlep.common.algorithm import overlong_penalty
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict
+from rlep.services.learner.algorithm import overlong_penalty
 from rlep.services.learner.config import AlgorithmConfig
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.rollout.types import Completion, SampleOut

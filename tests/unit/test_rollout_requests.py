@@ -1,4 +1,4 @@
-"""Rollout request logic without gRPC or vLLM (services/rollout/core.py): prompts -> token ids, and weight intake
+"""Rollout request logic without gRPC or vLLM (services/rollout/requests.py): prompts -> token ids, and weight intake
 (header checks, a streamed payload staged and hashed, shared files, NCCL manifests)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from rlep.rollout.v1 import rollout_pb2
-from rlep.services.rollout.core import PromptEncoder, WeightIntake
+from rlep.services.rollout.requests import PromptEncoder, WeightIntake
 from rlep.services.weights.broadcast import BroadcastGroup, manifest_bytes, manifest_digest
 from rlep.services.weights.payload import TensorInfo, WeightError, to_payload
 

@@ -13,7 +13,7 @@ from rlep.common.dataset import question_id
 from rlep.common.types import Verdict
 from rlep.services.cli.eval import parse_datasets
 from rlep.services.eval.config import EvalConfig, EvalLimits, HttpServerConfig, RolloutEndpoints, VerifierEndpoint
-from rlep.services.eval.core import (
+from rlep.services.eval.scoring import (
     BOXED_INSTRUCTION,
     DatasetError,
     DatasetTally,
@@ -24,7 +24,7 @@ from rlep.services.eval.core import (
     normalize_answer,
     score_question,
 )
-from rlep.services.verifier.core import check_answer
+from rlep.services.verifier.judge import check_answer
 
 SIZES = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}
 

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from rlep.common.dataset import question_id
-from rlep.services.replay.core import (
+from rlep.services.replay.sampling import (
     Candidate,
     Strategy,
     check_pool_name,
@@ -91,10 +91,10 @@ def _reference_diverse(candidates, m, rng):
 def test_vectorised_diverse_matches_the_set_definition(words, block_columns, monkeypatch):
     import random
 
-    from rlep.services.replay import core
-    from rlep.services.replay.core import jaccard_distances
+    from rlep.services.replay import sampling
+    from rlep.services.replay.sampling import jaccard_distances
 
-    monkeypatch.setattr(core, "DIVERSE_BLOCK_COLUMNS", block_columns)  # 7: many column blocks
+    monkeypatch.setattr(sampling, "DIVERSE_BLOCK_COLUMNS", block_columns)  # 7: many column blocks
 
     maker = random.Random(5)
     candidates = []

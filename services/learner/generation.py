@@ -23,9 +23,9 @@ import grpc
 from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.data import DataCursor
-from rlep.services.learner.experience import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
+from rlep.services.learner.cursor import DataCursor
 from rlep.services.learner.metrics import PHASES
+from rlep.services.learner.scoring import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups

@@ -9,7 +9,7 @@ from math_verify.errors import TimeoutException
 
 from rlep.common.answers import extract_answer
 from rlep.common.types import Verdict
-from rlep.services.verifier.core import CheckOptions, check_answer, cpu_time_limit
+from rlep.services.verifier.judge import CheckOptions, check_answer, cpu_time_limit
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """`rlep demo`: the paper's protocol in miniature, on one CPU machine with the embedded default.
 
 1. Build the tiny model and give it a short supervised warm-up on a procedural arithmetic task
-   with worked solutions (services/learner/task.py, warmup.py).
+   with worked solutions (services/demo/task.py, warmup.py).
 2. Baseline: RL with M=0 for S steps from the warm-up model.
 3. Collect: the baseline's final policy samples N answers per training question; questions with
    at least 2 verified successes go to a replay pool.
@@ -155,11 +155,11 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
     from rlep.common.tiny_model import cached_model
     from rlep.services.cli.run import policy_tokenizer, run_training
     from rlep.services.cli.stack import ServiceStack
+    from rlep.services.demo.task import make_problems, write_parquet
+    from rlep.services.demo.warmup import warmup
     from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
-    from rlep.services.learner.data import load_questions
-    from rlep.services.learner.task import make_problems, write_parquet
+    from rlep.services.learner.cursor import load_questions
     from rlep.services.learner.tracking import tensorboard_dir
-    from rlep.services.learner.warmup import warmup
 
     console = Console()
     out = demo.out_dir
