@@ -123,6 +123,10 @@ class EvalConfig(StrictModel):
     """A running job whose service sends no heartbeat for this long is marked failed (its service died)."""
     redis_timeout_s: float = Field(10.0, gt=0)
     """Socket timeout of Redis calls; past it an API call gets 503."""
+    tensorboard_dir: Path | None = None
+    """Where each succeeded job's figures go as TensorBoard event files, one folder per job (`<dir>/<job id>`):
+    `<dataset>/avg@N`, `maj@N`, `pass@N`, `mean_response_tokens` at the policy version sampled (eval/tracking.py).
+    None = none written (the figures are in the job's REST answer either way)."""
 
     @model_validator(mode="after")
     def _checkpoint_rollout_is_separate(self) -> EvalConfig:

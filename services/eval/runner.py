@@ -23,6 +23,7 @@ import grpc
 from rlep.common.dataset import Question
 from rlep.common.files import load_safetensors
 from rlep.common.types import FinishReason
+from rlep.services.eval import tracking
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.scoring import (
@@ -225,6 +226,10 @@ class JobRunner:
         progress.current_dataset = None
         if not self._store.save_progress(job.id, attempt, progress, results, sorted(versions)):
             raise JobAbandoned()
+        if self._config.tensorboard_dir is not None:
+            tracking.write_job(
+                self._config.tensorboard_dir / job.id, request.model, results, request.n, max(versions, default=0)
+            )
 
     def _prepare_model(self, model: str) -> tuple[RolloutClient, int | None]:
         """Where to sample from, and the version pushed for a checkpoint (None: the current policy)."""

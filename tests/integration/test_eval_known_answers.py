@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlep.common.tls import CA_FILE_ENV
 from rlep.common.v1 import trajectory_pb2
@@ -119,6 +120,7 @@ def standin_config(standin, verifier, redis_url, auth_token_file, tmp_path):
         limits={"max_n": 8, "max_questions": 200, "max_tokens": 128, "max_job_tokens": 10_000},
         questions_per_call=2,
     )
+    config["tensorboard_dir"] = str(tmp_path / "tensorboard")
     yield config
     delete_keys(redis_url, config["key_prefix"])
 
@@ -153,6 +155,12 @@ def test_avg_maj_pass_match_hand_computed_values(client, standin, tmp_path):
     assert (result.unparseable, result.truncated, result.samples, result.questions) == (2, 1, 12, 3)
     assert result.mean_response_tokens == (5 + 6 + 7 + 8 + 4 * 10 + 3 * 3 + 32) / 12
     assert job.policy_versions == [VERSION]
+    # The same figures as TensorBoard scalars of the job's own run, at the policy version sampled.
+    events = EventAccumulator(str(tmp_path / "tensorboard" / job.id))
+    events.Reload()
+    for name, value in {"avg@4": 3 / 12, "maj@4": 1 / 3, "pass@4": 2 / 3}.items():
+        [scalar] = events.Scalars(f"{path}/{name}")
+        assert (scalar.step, scalar.value) == (VERSION, pytest.approx(value))
     # Two Generate calls (2 + 1 questions), each with the request's sampling options as sent.
     assert standin.problems_generated() == [list(KNOWN)[:2], list(KNOWN)[2:]]
     for _, sampling in standin.calls:
