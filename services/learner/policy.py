@@ -325,6 +325,10 @@ class DeepSpeedPolicy:
 
         return ray.util.get_node_ip_address()
 
+    def sender_device(self) -> str:
+        """The device type this process trains on (`cuda` or `cpu`): rank 0's decides the broadcast's backend."""
+        return self.device.type
+
     def rng_state(self) -> dict[str, Any]:
         """The learner's counters and generators: the mini-batch shuffle, this process's torch CPU generator and,
         on CUDA, its device's generator (every rank is seeded alike, so rank 0's stand for all)."""

@@ -90,6 +90,9 @@ class PolicyProcess:
     def node_address(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def sender_device(self) -> str:
+        return self.policy.sender_device()
+
 
 PolicyActor = ray.remote(PolicyProcess)
 
@@ -127,6 +130,10 @@ class RayPolicy(Policy):
     def broadcast_address(self) -> str:
         """Where rank 0 runs: the NCCL weight group's store listens there."""
         return ray.get(self.actors[0].node_address.remote())
+
+    def sender_device(self) -> str:
+        """Rank 0's device type: where the broadcast's sender runs decides its backend."""
+        return ray.get(self.actors[0].sender_device.remote())
 
     def close(self) -> None:
         for actor in self.actors:

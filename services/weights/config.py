@@ -34,7 +34,7 @@ class NcclSyncConfig(StrictModel):
     own (vLLM's RLHF pattern; services/weights/broadcast.py). Every replica takes part in every push."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """The group's communicator: `nccl` between GPUs (NOT exercised by CI), `gloo` over TCP on any device (what CI
-    runs), `auto` = nccl when the trainer's process sees CUDA, else gloo."""
+    runs), `auto` = nccl when the learner's rank 0 runs on CUDA, else gloo."""
     nccl_port: int = Field(29650, ge=1024, le=65000)
     """First port of the group's store on the learner's rank 0 (a new group takes the next one)."""
     workers_per_replica: int = Field(1, ge=1)

@@ -139,6 +139,7 @@ class BroadcastSender(Protocol):
     def weight_manifest(self) -> list[tuple[str, TensorInfo]]: ...
     def broadcast_weights(self, group: BroadcastGroup) -> None: ...
     def broadcast_address(self) -> str: ...
+    def sender_device(self) -> str: ...
 
 
 class BroadcastTransport(WeightTransport):
@@ -187,11 +188,12 @@ class BroadcastTransport(WeightTransport):
             raise
 
 
-def resolve_backend(backend: str) -> str:
-    """`auto` is nccl when this process sees CUDA, else gloo."""
+def resolve_backend(backend: str, sender_device: str) -> str:
+    """`auto` is nccl when the sender (the learner's rank 0) runs on CUDA, else gloo. Decided where rank 0 runs, not
+    where this process does: the driver may be a CPU-only head node of a GPU cluster."""
     if backend != "auto":
         return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if sender_device == "cuda" else "gloo"
 
 
 def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | None = None) -> WeightTransport:
@@ -204,7 +206,7 @@ def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | N
         case SharedFileSyncConfig():
             return SharedFileTransport()
         case NcclSyncConfig() if sender is not None:
-            backend = resolve_backend(config.backend)
+            backend = resolve_backend(config.backend, sender.sender_device())
             return BroadcastTransport(sender, config.nccl_port, config.workers_per_replica, backend, config.timeout_s)
     raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
 

@@ -47,6 +47,9 @@ class StateDictSender:
     def broadcast_address(self) -> str:
         return "127.0.0.1"
 
+    def sender_device(self) -> str:
+        return "cpu"
+
 
 def gloo_push(rollout_client, state_dict, version: int):
     transport = BroadcastTransport(StateDictSender(state_dict), free_port(), backend="gloo", timeout_s=TIMEOUT_S)

@@ -12,7 +12,7 @@ from rlep.services.learner.policy import DeepSpeedPolicy
 from rlep.services.learner.policy_interface import Policy, spread_calls
 from rlep.services.learner.ray_policy import PolicyProcess, RayPolicy
 
-# Every call but broadcast_address (asked of rank 0 alone) goes to all ranks.
+# Every call but broadcast_address and sender_device (asked of rank 0 alone) goes to all ranks.
 RANK0_RESULT = {"logprobs", "update", "state_dict", "push_weights", "load_checkpoint", "rng_state", "weight_manifest"}
 NO_RESULT = {"save_hf", "save_checkpoint", "broadcast_weights"}
 
@@ -26,8 +26,8 @@ def without_ray_tracing(signature: inspect.Signature) -> inspect.Signature:
     return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
 
 
-def test_spread_calls_are_every_call_but_broadcast_address():
-    assert protocol_calls() == RANK0_RESULT | NO_RESULT | {"broadcast_address"}
+def test_spread_calls_are_every_call_but_those_asked_of_rank_0():
+    assert protocol_calls() == RANK0_RESULT | NO_RESULT | {"broadcast_address", "sender_device"}
     assert spread_calls() == {**dict.fromkeys(RANK0_RESULT, True), **dict.fromkeys(NO_RESULT, False)}
 
 

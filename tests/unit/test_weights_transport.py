@@ -130,8 +130,8 @@ def test_a_shared_file_push_names_a_file_that_lives_as_long_as_the_push():
 class RecordingSender:
     """The learner's side of an NCCL push, without GPUs: records what it was asked."""
 
-    def __init__(self):
-        self.manifests, self.broadcasts = 0, []
+    def __init__(self, device: str = "cpu"):
+        self.manifests, self.broadcasts, self.device = 0, [], device
 
     def weight_manifest(self):
         self.manifests += 1
@@ -142,6 +142,9 @@ class RecordingSender:
 
     def broadcast_address(self):
         return "10.0.0.5"
+
+    def sender_device(self):
+        return self.device
 
 
 def test_broadcast_calls_carry_the_manifest_and_each_replicas_ranks():
@@ -183,3 +186,11 @@ def test_a_failed_push_is_never_retried_on_its_group():
         [_, chunk] = list(push.requests[0])
         assert chunk.nccl_broadcast.master_port == 29651
     assert transport.group(["a:1"]).master_port == 29651  # kept after a push that went through
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cuda", "nccl"), ("cpu", "gloo")])
+def test_auto_backend_follows_the_device_of_the_learners_rank_0_not_this_process(device, backend):
+    # The driver (this test process) has no GPU; a rank 0 on CUDA still gets NCCL, as on a CPU-only head node.
+    config = NcclSyncConfig(backend="auto")
+    transport = setup_weight_transport(config, RecordingSender(device))
+    assert transport.backend == backend
