@@ -269,7 +269,7 @@ def broadcast_send(model: str, port: int, backend: str, timeout_s: float) -> dic
     sender = WeightSender(_group(port, backend, timeout_s), _device(backend))
     join_s = time.perf_counter() - started
     started = time.perf_counter()
-    sender.broadcast(tensors)
+    sender.broadcast(tensors.values())
     send_s = time.perf_counter() - started
     sender.close()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -234,26 +235,38 @@ class DeepSpeedPolicy:
 
     # -- weights and checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names in the checkpoint's dtype (every rank must call it under ZeRO-3)."""
+        """Full weights under HF names in the checkpoint's dtype, on the host: on rank 0, and on every rank outside
+        ZeRO-3. Under ZeRO-3 every rank must call it (each takes part in every gather) and ranks > 0 get {}."""
         return self._full_weights(copy=True)
 
-    def _full_weights(self, copy: bool) -> dict[str, torch.Tensor]:
-        """The full weights; without `copy` (ZeRO 0-2 only) CPU tensors of the checkpoint's dtype are the
-        module's own, valid until the next update: for a push that reads them at once."""
-        module = self.hf_model
-        if self.config.deepspeed.zero_stage == 3:
-            import deepspeed
+    def _device_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor in the checkpoint's dtype on this process's device), in `state_dict` order, the
+        tied head left out. Under ZeRO-3 each parameter is gathered alone and valid only until the next one is
+        made, so no process holds more than one gathered parameter; every rank must run the iterator to its end."""
+        import deepspeed
 
-            # Gathered parameters live only inside this block: always copied out.
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        else:
-            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-            if copy:
-                state = {k: v.clone() for k, v in state.items()}
+        module = self.hf_model
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        gather = self.config.deepspeed.zero_stage == 3
+        for name in module.state_dict():
+            if name in buffers:
+                yield name, buffers[name].detach().to(self.checkpoint_dtype)
+            elif name in params:  # else a tied alias, which named_parameters() leaves out
+                with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=None, enabled=gather):
+                    yield name, params[name].detach().to(self.checkpoint_dtype)
+
+    def _full_weights(self, copy: bool) -> dict[str, torch.Tensor]:
+        """`state_dict()` on the host; without `copy` (CPU training outside ZeRO-3) the tensors may be the module's
+        own, valid until the next update: for a push that reads them at once."""
+        keep = self.rank == 0 or self.config.deepspeed.zero_stage != 3
+        copy = copy or self.config.deepspeed.zero_stage == 3  # a gathered parameter is freed after its turn
+        state = {}
+        for name, tensor in self._device_weights():
+            if keep:
+                state[name] = tensor.to("cpu", copy=copy)
         if self.tied:
             state.pop("lm_head.weight", None)  # the embedding carries it
-        return {k: v.to(self.checkpoint_dtype) for k, v in state.items()}
+        return state
 
     def push_weights(self, target: ReplicaTarget, version: int, sync: WeightSyncConfig) -> PushResult | None:
         """Rank 0 sends the full weights to the replicas of `target` itself (weight_push.py); under ZeRO-3 every
@@ -309,14 +322,17 @@ class DeepSpeedPolicy:
         Every rank calls it (ZeRO-3 gathers need all of them); rank 0 joins `group` once and broadcasts.
         A failed broadcast leaves its group (the transport's next push names a new one).
         """
-        state = self.state_dict()
+        tensors = (tensor for name, tensor in self._device_weights() if not (self.tied and name == "lm_head.weight"))
         if self.rank != 0:
+            if self.config.deepspeed.zero_stage == 3:
+                for _ in tensors:  # rank 0 sends each parameter straight from the gather on its device
+                    pass
             return
         if self._sender is not None and self._sender.group != group:
             self._sender.close()
             self._sender = None
         sender, self._sender = self._sender or WeightSender(group), None
-        sender.broadcast(state)
+        sender.broadcast(tensors)
         self._sender = sender  # kept only after a broadcast that completed
 
     def broadcast_address(self) -> str:

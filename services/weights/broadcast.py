@@ -27,7 +27,7 @@ import datetime
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,9 +186,11 @@ class WeightSender:
         self.group = group
         self.communicator = setup_communicator(group, 0, device)
 
-    def broadcast(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Sends `tensors` in manifest order. They may be made as they are sent (a ZeRO-3 gather per parameter), so
+        the sender holds one at a time; each moves to the communicator's device only if it is not there already."""
         try:
-            for tensor in state_dict.values():
+            for tensor in tensors:
                 self.communicator.broadcast(tensor.to(self.communicator.device).contiguous())
             self.communicator.synchronize()
         except BaseException:

@@ -46,7 +46,7 @@ def send_and_die(group: BroadcastGroup, state_dict: dict[str, torch.Tensor], die
     """Rank 0: the learner's sender, killed after sending `die_after` tensors."""
     sender = WeightSender(group)
     sender.communicator = DiesAfter(sender.communicator, die_after)
-    sender.broadcast(state_dict)
+    sender.broadcast(state_dict.values())
 
 
 def receive_and_die(group: BroadcastGroup, rank: int, entries: list[tuple[str, TensorInfo]], die_after: int) -> None:

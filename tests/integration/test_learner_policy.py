@@ -212,3 +212,39 @@ def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_pa
     copied = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
     assert copied == set(tokenizer_files)
     assert all((target / name).read_text() == name for name in tokenizer_files)
+
+
+def test_zero3_weights_are_gathered_one_by_one_kept_on_rank_0_and_streamed_to_a_broadcast(ray_local, model_dir):
+    """Under ZeRO-3 a rank > 0 takes part in every gather and keeps no copy ({}); rank 0's broadcast sends each
+    parameter as it is gathered, and a receiver gets exactly the weights `state_dict()` returns."""
+    import threading
+
+    import ray
+    from safetensors.torch import load_file
+
+    from rlep.common.ports import free_port
+    from rlep.services.weights.broadcast import BroadcastGroup, receive_state_dict, setup_communicator
+
+    policy = start_policy(model_dir, stage=3, processes=2)
+    try:
+        rank0, rank1 = ray.get([actor.state_dict.remote() for actor in policy.actors])
+        checkpoint = load_file(model_dir / "model.safetensors")
+        assert rank1 == {} and rank0.keys() == checkpoint.keys()
+        assert all(torch.equal(rank0[k], checkpoint[k]) for k in checkpoint)
+
+        group = BroadcastGroup(policy.broadcast_address(), free_port(), world_size=2, backend="gloo", timeout_s=60)
+        entries, received = policy.weight_manifest(), {}
+
+        def receive() -> None:
+            communicator = setup_communicator(group, 1)
+            received.update(receive_state_dict(communicator, entries))
+            communicator.close()
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        policy.broadcast_weights(group)
+        receiver.join(60)
+    finally:
+        policy.close()
+    assert received.keys() == checkpoint.keys()
+    assert all(torch.equal(received[k], checkpoint[k]) for k in checkpoint)

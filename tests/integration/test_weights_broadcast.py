@@ -42,7 +42,7 @@ class StateDictSender:
     def broadcast_weights(self, group: BroadcastGroup) -> None:
         if self.sender is None or self.sender.group != group:
             self.sender = WeightSender(group)
-        self.sender.broadcast(self.state_dict)
+        self.sender.broadcast(self.state_dict.values())
 
     def broadcast_address(self) -> str:
         return "127.0.0.1"
@@ -140,7 +140,7 @@ def test_a_worker_that_dies_mid_broadcast_fails_the_push_and_the_next_succeeds(s
     call = stub.UpdateWeights.future(iter(broadcast_messages(version + 1, entries, group, 1)))
     worker = _spawn(broadcast_peers.receive_and_die, group, 2, entries, 3)
     with pytest.raises(RuntimeError):  # gloo: the connection to rank 2 was reset or closed
-        WeightSender(group).broadcast(state_dict)
+        WeightSender(group).broadcast(state_dict.values())
     worker.join(TIMEOUT_S)
     assert worker.exitcode == -signal.SIGKILL
     _assert_failed_promptly(call, started, version)
