@@ -16,7 +16,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlep.common.files import read_token_file
 from rlep.common.ports import free_port
+from rlep.services.cli.errors import UserError
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.ray_policy import learner_gpus as learner_gpus_per_process
 from rlep.services.learner.trainer import ServiceClients
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,30 @@ class ServiceActor:
         self._running.stop()
 
 
+def rollout_gpus(config: TrainConfig, cluster_gpus: float) -> float:
+    """Ray GPUs per locally started rollout replica: `local.rollout_gpus`, else its engine's tensor-parallel size
+    when the cluster has GPUs (vLLM runs one worker per GPU), else 0."""
+    local = config.local
+    if local.rollout_gpus is not None:
+        return local.rollout_gpus
+    return float(local.rollout_engine.tensor_parallel_size) if cluster_gpus > 0 else 0.0
+
+
+def check_gpus_fit(config: TrainConfig, cluster_gpus: float, start_rollout: bool) -> None:
+    """Refuses, naming the numbers, a run whose local rollout replicas and learner processes need more GPUs than the
+    Ray cluster has: Ray would leave the rest pending forever instead of failing."""
+    local, processes = config.local, config.deepspeed.num_processes
+    rollout = rollout_gpus(config, cluster_gpus) * local.rollout_replicas if start_rollout else 0.0
+    learner = learner_gpus_per_process(config, cluster_gpus) * processes
+    if rollout + learner > cluster_gpus:
+        raise UserError(
+            f"this run needs {rollout + learner:g} GPUs (rollout {local.rollout_replicas} x "
+            f"{rollout_gpus(config, cluster_gpus):g}, learner {processes} x "
+            f"{learner_gpus_per_process(config, cluster_gpus):g}) and the Ray cluster has {cluster_gpus:g}: lower "
+            "local.rollout_replicas or deepspeed.num_processes, or add GPU nodes"
+        )
+
+
 class ServiceStack:
     """The services of a run: given endpoints are used, missing ones are started on Ray."""
 
@@ -75,6 +101,8 @@ class ServiceStack:
 
         endpoints, local = self.config.endpoints, self.config.local
         auth = {"auth_token_file": str(endpoints.auth_token_file)} if endpoints.auth_token_file else {}
+        start_rollout = not (endpoints.rollout or endpoints.rollout_service)
+        check_gpus_fit(self.config, ray.cluster_resources().get("GPU", 0.0), start_rollout)
         if endpoints.rollout:
             rollout = RolloutClient(endpoints.rollout, token=self.token)
         elif endpoints.rollout_service:
@@ -123,6 +151,7 @@ class ServiceStack:
                 local.rollout_cpus,
                 local.rollout_max_per_node,
                 local.rollout_port,
+                rollout_gpus(self.config, ray.cluster_resources().get("GPU", 0.0)),
             ),
             name=self.app_name,
             route_prefix=None,

@@ -174,6 +174,9 @@ class LocalServicesConfig(StrictModel):
     rollout_replicas: int = Field(1, ge=1)
     rollout_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per rollout replica."""
+    rollout_gpus: float | None = Field(None, ge=0)
+    """Ray GPUs per rollout replica; None = the engine's `tensor_parallel_size` when the Ray cluster has GPUs, else 0.
+    With the learner's GPUs they must fit the cluster, or `rlep train` refuses before starting anything."""
     rollout_max_per_node: int | None = Field(None, ge=1)
     """At most this many replicas on one Ray node (1 spreads them over the nodes); None = Ray's choice."""
     rollout_port: int = Field(0, ge=0, le=65535)

@@ -99,16 +99,9 @@ PolicyActor = ray.remote(PolicyProcess)
 
 def learner_gpus(config: TrainConfig, cluster_gpus: float) -> float:
     """Ray GPUs per learner process: `local.learner_gpus`, or 1 when the cluster has GPUs (the driver may run on a
-    CPU-only head node), else 0. Refuses, naming the numbers, a request the cluster cannot hold: Ray would wait."""
+    CPU-only head node), else 0."""
     gpus = config.local.learner_gpus
-    gpus = (1.0 if cluster_gpus > 0 else 0.0) if gpus is None else gpus
-    world = config.deepspeed.num_processes
-    if gpus * world > cluster_gpus:
-        raise ValueError(
-            f"the learner needs {gpus * world:g} GPUs (deepspeed.num_processes={world} x local.learner_gpus={gpus:g}) "
-            f"and the Ray cluster has {cluster_gpus:g}: lower num_processes or add GPU nodes"
-        )
-    return gpus
+    return (1.0 if cluster_gpus > 0 else 0.0) if gpus is None else gpus
 
 
 @_with_fan_outs
@@ -118,7 +111,13 @@ class RayPolicy(Policy):
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
-        gpus = learner_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        gpus = learner_gpus(config, cluster_gpus)
+        if gpus * world > cluster_gpus:  # Ray would leave the actors pending forever
+            raise ValueError(
+                f"the learner needs {gpus * world:g} GPUs (deepspeed.num_processes={world} x local.learner_gpus="
+                f"{gpus:g}) and the Ray cluster has {cluster_gpus:g}: lower num_processes or add GPU nodes"
+            )
         options = {"num_cpus": config.local.learner_cpus, "num_gpus": gpus}
         self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
         master, port = ray.get(self.actors[0].rendezvous.remote())

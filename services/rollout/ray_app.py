@@ -84,6 +84,10 @@ class RolloutAppArgs(StrictModel):
     """Serve application name; the replica registry is named after it."""
     num_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """Ray GPUs per replica: its engine's `tensor_parallel_size` on GPU nodes (vLLM runs one worker per GPU), 0 on
+    CPUs. Ray gives each replica its own GPUs (CUDA_VISIBLE_DEVICES), so replicas and learner ranks that ask for
+    whole GPUs never share one; a replica asking for none would see every GPU and start vLLM on GPU 0."""
     max_per_node: int | None = Field(None, ge=1)
     """At most this many replicas on one Ray node (1: one engine per node/GPU host); None = Serve's choice."""
     port: int = Field(0, ge=0, le=65535)
@@ -109,17 +113,25 @@ def build_app(
     num_cpus: float = 1.0,
     max_per_node: int | None = None,
     port: int = 0,
+    num_gpus: float = 0.0,
 ):
     """A Serve application of `num_replicas` rollout replicas (pass it to `serve.run`); `max_per_node` spreads
-    them over the cluster's nodes (1: one engine per node/GPU host), `port` fixes their gRPC ports (RolloutAppArgs)."""
+    them over the cluster's nodes (1: one engine per node/GPU host), `port` fixes their gRPC ports, `num_gpus` is
+    each replica's GPUs (RolloutAppArgs)."""
     args = RolloutAppArgs(
-        num_replicas=num_replicas, app_name=app_name, num_cpus=num_cpus, max_per_node=max_per_node, port=port
+        num_replicas=num_replicas,
+        app_name=app_name,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_per_node=max_per_node,
+        port=port,
     )
     return _bind(config, args)
 
 
 def _bind(config: RolloutConfig, args: RolloutAppArgs):
-    options: dict[str, Any] = {"num_replicas": args.num_replicas, "ray_actor_options": {"num_cpus": args.num_cpus}}
+    actor = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus}
+    options: dict[str, Any] = {"num_replicas": args.num_replicas, "ray_actor_options": actor}
     if args.max_per_node is not None:
         options["max_replicas_per_node"] = args.max_per_node
     replica = RolloutReplica.options(**options)

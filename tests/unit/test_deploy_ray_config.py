@@ -59,3 +59,16 @@ def test_rollout_replicas_spread_over_nodes_when_asked():
     assert per_node(build_app(RolloutConfig(), num_replicas=2, max_per_node=1)) == 1
     assert per_node(build_app(RolloutConfig(), num_replicas=2)) is None
     assert per_node(app_builder({"num_replicas": 2, "max_per_node": 1})) == 1
+
+
+def test_rollout_replicas_ask_ray_for_their_gpus():
+    """A replica that asks for no GPU sees every GPU and starts vLLM on GPU 0, beside the learner's rank 0."""
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import app_builder, build_app
+
+    def actor_options(app) -> dict:
+        return app._bound_deployment.ray_actor_options  # what Ray schedules each replica with
+
+    assert actor_options(build_app(RolloutConfig(), num_replicas=2, num_gpus=2))["num_gpus"] == 2
+    assert actor_options(build_app(RolloutConfig()))["num_gpus"] == 0  # CPU machines: none asked
+    assert actor_options(app_builder({"num_replicas": 2, "num_gpus": 1}))["num_gpus"] == 1

@@ -69,12 +69,29 @@ def test_learner_gpus_refuses_ranks_sharing_a_gpu():
     TrainConfig.model_validate({"deepspeed": {"num_processes": 1}, "local": {"learner_gpus": 0.5}})
 
 
-def test_learner_gpus_follow_the_cluster_and_refuse_what_it_cannot_hold():
+def test_learner_gpus_follow_the_cluster():
     pytest.importorskip("ray")
     from rlep.services.learner.ray_policy import learner_gpus
 
     four = TrainConfig.model_validate({"deepspeed": {"num_processes": 4}})
     assert learner_gpus(four, cluster_gpus=8.0) == 1.0  # the driver may run on a CPU-only head node
     assert learner_gpus(TrainConfig(), cluster_gpus=0.0) == 0.0
-    with pytest.raises(ValueError, match="needs 4 GPUs .* has 2"):
-        learner_gpus(four, cluster_gpus=2.0)
+    assert learner_gpus(TrainConfig.model_validate({"local": {"learner_gpus": 0.5}}), cluster_gpus=8.0) == 0.5
+
+
+def test_replicas_ask_for_their_tensor_parallel_gpus_and_a_run_that_does_not_fit_is_refused():
+    from rlep.services.cli.errors import UserError
+    from rlep.services.cli.stack import check_gpus_fit, rollout_gpus
+
+    paper = TrainConfig.model_validate(
+        {
+            "deepspeed": {"num_processes": 4},
+            "local": {"rollout_replicas": 2, "rollout_engine": {"tensor_parallel_size": 2}},
+        }
+    )
+    assert rollout_gpus(paper, cluster_gpus=8.0) == 2.0 and rollout_gpus(paper, cluster_gpus=0.0) == 0.0
+    check_gpus_fit(paper, cluster_gpus=8.0, start_rollout=True)  # 2 x 2 + 4 x 1: one 8-GPU node
+    with pytest.raises(UserError, match=r"needs 8 GPUs \(rollout 2 x 2, learner 4 x 1\) .* has 6"):
+        check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=True)
+    check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=False)  # replicas elsewhere: the learner's 4 fit
+    check_gpus_fit(TrainConfig(), cluster_gpus=0.0, start_rollout=True)  # CPUs only: nothing asked, nothing refused
