@@ -309,6 +309,14 @@ class TrainConfig(StrictModel):
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")
         if self.algorithm.overlong_buffer_tokens > self.algorithm.max_response_tokens:
             raise ValueError("algorithm.overlong_buffer_tokens cannot exceed algorithm.max_response_tokens")
+        sync, tensor_parallel = self.weight_sync, self.local.rollout_engine.tensor_parallel_size
+        started_here = not (self.endpoints.rollout or self.endpoints.rollout_service)
+        workers = getattr(sync, "workers_per_replica", None)
+        if started_here and workers is not None and workers != tensor_parallel:
+            raise ValueError(
+                f"weight_sync.workers_per_replica={workers} but the replicas this run starts have "
+                f"tensor_parallel_size={tensor_parallel} workers each: leave workers_per_replica unset"
+            )
         gpus, processes = self.local.learner_gpus, self.deepspeed.num_processes
         if gpus is not None and 0 < gpus < 1 and processes > 1:
             raise ValueError(

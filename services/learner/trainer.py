@@ -91,7 +91,8 @@ class Trainer:
             raise ValueError("M > 0 or online replay needs a replay service")
         # The NCCL transport keeps its groups and the manifest across pushes: one instance for the run.
         nccl = isinstance(config.weight_sync, NcclSyncConfig)
-        self._broadcast = setup_weight_transport(config.weight_sync, policy) if nccl else None
+        tensor_parallel = config.local.rollout_engine.tensor_parallel_size
+        self._broadcast = setup_weight_transport(config.weight_sync, policy, tensor_parallel) if nccl else None
         self.inputs = StepInputs(config, questions, self.cursor, services, tokenizer)
         self._ahead = GatherAhead(self.inputs, algo.max_staleness, config.steps) if algo.max_staleness else None
         if algo.max_staleness:

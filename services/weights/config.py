@@ -37,8 +37,10 @@ class NcclSyncConfig(StrictModel):
     runs), `auto` = nccl when the learner's rank 0 runs on CUDA, else gloo."""
     nccl_port: int = Field(29650, ge=1024, le=65000)
     """First port of the group's store on the learner's rank 0 (a new group takes the next one)."""
-    workers_per_replica: int = Field(1, ge=1)
-    """vLLM workers per rollout replica (its tensor-parallel size): each is one rank of the group."""
+    workers_per_replica: int | None = Field(None, ge=1)
+    """vLLM workers per rollout replica, each one rank of the group (replica i's workers are ranks i x W + 1 ..
+    i x W + W; each loads its own shard of every full tensor). None = the replicas' tensor-parallel size
+    (`local.rollout_engine.tensor_parallel_size`); set it only for replicas started elsewhere with another one."""
     timeout_s: float = Field(60.0, gt=0, le=3600)
     """Bound on every rank's join and on each tensor: a peer that died or never came fails the push within it
     (gloo fails at once when a peer's connection closes). Covers a worker finishing its generation batch first."""

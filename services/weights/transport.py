@@ -196,8 +196,11 @@ def resolve_backend(backend: str, sender_device: str) -> str:
     return "nccl" if sender_device == "cuda" else "gloo"
 
 
-def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | None = None) -> WeightTransport:
-    """The transport `config` names; `sender` (the learner's policy) is needed by the broadcast only."""
+def setup_weight_transport(
+    config: WeightSyncConfig, sender: BroadcastSender | None = None, tensor_parallel_size: int = 1
+) -> WeightTransport:
+    """The transport `config` names; `sender` (the learner's policy) is needed by the broadcast only, and the
+    replicas' `tensor_parallel_size` is its workers per replica unless the config names another number."""
     match config:
         case AutoSyncConfig():
             return AutoTransport()
@@ -207,7 +210,8 @@ def setup_weight_transport(config: WeightSyncConfig, sender: BroadcastSender | N
             return SharedFileTransport()
         case NcclSyncConfig() if sender is not None:
             backend = resolve_backend(config.backend, sender.sender_device())
-            return BroadcastTransport(sender, config.nccl_port, config.workers_per_replica, backend, config.timeout_s)
+            workers = config.workers_per_replica or tensor_parallel_size
+            return BroadcastTransport(sender, config.nccl_port, workers, backend, config.timeout_s)
     raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
 
 

@@ -194,3 +194,23 @@ def test_auto_backend_follows_the_device_of_the_learners_rank_0_not_this_process
     config = NcclSyncConfig(backend="auto")
     transport = setup_weight_transport(config, RecordingSender(device))
     assert transport.backend == backend
+
+
+def test_workers_per_replica_default_to_the_replicas_tensor_parallel_size():
+    """TP=2: two replicas make a group of 1 learner + 2 x 2 workers, replica i's workers at ranks i x 2 + 1, + 2."""
+    transport = setup_weight_transport(NcclSyncConfig(backend="gloo"), RecordingSender(), tensor_parallel_size=2)
+    assert transport.workers_per_replica == 2
+    assert transport.group(["a:1", "b:2"]).world_size == 5
+    explicit = NcclSyncConfig(backend="gloo", workers_per_replica=4)
+    assert setup_weight_transport(explicit, RecordingSender(), tensor_parallel_size=2).workers_per_replica == 4
+
+
+def test_a_workers_per_replica_other_than_the_started_replicas_tensor_parallel_size_is_refused():
+    engine = {"rollout_engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(ValidationError, match="workers_per_replica=1 but .* tensor_parallel_size=2"):
+        TrainConfig.model_validate({"local": engine, "weight_sync": {"transport": "nccl", "workers_per_replica": 1}})
+    TrainConfig.model_validate({"local": engine, "weight_sync": {"transport": "nccl"}})
+    elsewhere = {"rollout": ["10.0.0.7:50063"]}  # replicas started elsewhere: their size is the user's to give
+    TrainConfig.model_validate(
+        {"local": engine, "endpoints": elsewhere, "weight_sync": {"transport": "nccl", "workers_per_replica": 1}}
+    )
