@@ -33,8 +33,11 @@ def _rpc_errors_exit(address: str, hint: str = "") -> Iterator[None]:
     unreachable service or a refused token is a `UserError` naming `address`."""
     import grpc
 
-    # A one-shot command reports the final error once; the retry warnings before it would only repeat it.
-    logging.getLogger("rlep.common.grpc_utils").setLevel(logging.ERROR)
+    # A one-shot command reports the final error once; the retry warnings before it would only repeat it. The
+    # level comes back afterwards: the command may run inside a longer-lived process (tests, a notebook).
+    retries = logging.getLogger("rlep.common.grpc_utils")
+    level = retries.level
+    retries.setLevel(logging.ERROR)
     fix = "start it with `rlep serve replay`, or pass its host:port with --address"
     try:
         with reaching("replay service", address, fix):
@@ -44,6 +47,8 @@ def _rpc_errors_exit(address: str, hint: str = "") -> Iterator[None]:
             hint = f"; `rlep pool list -a {address}` names the pools there{hint}"
         typer.echo(f"error: {err.code().name}: {err.details()}{hint}", err=True)
         raise typer.Exit(1) from None
+    finally:
+        retries.setLevel(level)
 
 
 @pool_app.command("list")

@@ -43,6 +43,17 @@ def test_pool_commands_without_a_replay_service_name_it_and_how_to_start_it(comm
     refused(["pool", *command, "-a", address], f"replay service at {address}", "rlep serve replay")
 
 
+def test_a_pool_command_quiets_retry_warnings_only_while_it_runs():
+    """The learner logs each retry of a restarting service; a pool command run in the same process must not
+    silence those for good (it did: the outage test of the replay client then saw no retry)."""
+    import logging
+
+    retries = logging.getLogger("rlep.common.grpc_utils")
+    before = retries.level
+    refused(["pool", "list", "-a", f"127.0.0.1:{free_port()}"], "replay service")
+    assert retries.level == before
+
+
 def test_missing_auth_token_file_is_named(tmp_path):
     missing = tmp_path / "token"
     refused(["pool", "list", "--auth-token-file", str(missing), "-a", f"127.0.0.1:{free_port()}"], str(missing))
