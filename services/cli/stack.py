@@ -18,7 +18,7 @@ from rlep.common.files import read_token_file
 from rlep.common.ports import free_port
 from rlep.services.cli.errors import UserError
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.ray_policy import learner_gpus as learner_gpus_per_process
+from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
 from rlep.services.learner.trainer import ServiceClients
 
 log = logging.getLogger(__name__)
@@ -59,30 +59,6 @@ class ServiceActor:
         self._running.stop()
 
 
-def rollout_gpus(config: TrainConfig, cluster_gpus: float) -> float:
-    """Ray GPUs per locally started rollout replica: `local.rollout_gpus`, else its engine's tensor-parallel size
-    when the cluster has GPUs (vLLM runs one worker per GPU), else 0."""
-    local = config.local
-    if local.rollout_gpus is not None:
-        return local.rollout_gpus
-    return float(local.rollout_engine.tensor_parallel_size) if cluster_gpus > 0 else 0.0
-
-
-def check_gpus_fit(config: TrainConfig, cluster_gpus: float, start_rollout: bool) -> None:
-    """Refuses, naming the numbers, a run whose local rollout replicas and learner processes need more GPUs than the
-    Ray cluster has: Ray would leave the rest pending forever instead of failing."""
-    local, processes = config.local, config.deepspeed.num_processes
-    rollout = rollout_gpus(config, cluster_gpus) * local.rollout_replicas if start_rollout else 0.0
-    learner = learner_gpus_per_process(config, cluster_gpus) * processes
-    if rollout + learner > cluster_gpus:
-        raise UserError(
-            f"this run needs {rollout + learner:g} GPUs (rollout {local.rollout_replicas} x "
-            f"{rollout_gpus(config, cluster_gpus):g}, learner {processes} x "
-            f"{learner_gpus_per_process(config, cluster_gpus):g}) and the Ray cluster has {cluster_gpus:g}: lower "
-            "local.rollout_replicas or deepspeed.num_processes, or add GPU nodes"
-        )
-
-
 class ServiceStack:
     """The services of a run: given endpoints are used, missing ones are started on Ray."""
 
@@ -101,14 +77,18 @@ class ServiceStack:
 
         endpoints, local = self.config.endpoints, self.config.local
         auth = {"auth_token_file": str(endpoints.auth_token_file)} if endpoints.auth_token_file else {}
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         start_rollout = not (endpoints.rollout or endpoints.rollout_service)
-        check_gpus_fit(self.config, ray.cluster_resources().get("GPU", 0.0), start_rollout)
+        try:
+            check_gpus_fit(self.config, cluster_gpus, start_rollout)
+        except ValueError as err:
+            raise UserError(str(err)) from None
         if endpoints.rollout:
             rollout = RolloutClient(endpoints.rollout, token=self.token)
         elif endpoints.rollout_service:
             rollout = RolloutClient.from_service(endpoints.rollout_service, token=self.token)  # re-resolved per step
         else:
-            self._start_rollout(auth)
+            self._start_rollout(auth, rollout_gpus(self.config, cluster_gpus))
             rollout = RolloutClient.from_ray(self.app_name, token=self.token)  # refresh() follows restarts
         verifier_address = endpoints.verifier or self._start_actor(
             "verifier", {"num_workers": local.verifier_workers, "server": auth}
@@ -133,7 +113,7 @@ class ServiceStack:
         self._actors[kind] = actor
         return ray.get(actor.address.remote())
 
-    def _start_rollout(self, auth: dict) -> None:
+    def _start_rollout(self, auth: dict, gpus_per_replica: float) -> None:
         from ray import serve
 
         from rlep.services.rollout.config import RolloutConfig
@@ -151,7 +131,7 @@ class ServiceStack:
                 local.rollout_cpus,
                 local.rollout_max_per_node,
                 local.rollout_port,
-                rollout_gpus(self.config, ray.cluster_resources().get("GPU", 0.0)),
+                gpus_per_replica,
             ),
             name=self.app_name,
             route_prefix=None,

@@ -104,6 +104,30 @@ def learner_gpus(config: TrainConfig, cluster_gpus: float) -> float:
     return (1.0 if cluster_gpus > 0 else 0.0) if gpus is None else gpus
 
 
+def rollout_gpus(config: TrainConfig, cluster_gpus: float) -> float:
+    """Ray GPUs per locally started rollout replica: `local.rollout_gpus`, else its engine's tensor-parallel size
+    when the cluster has GPUs (vLLM runs one worker per GPU), else 0."""
+    local = config.local
+    if local.rollout_gpus is not None:
+        return local.rollout_gpus
+    return float(local.rollout_engine.tensor_parallel_size) if cluster_gpus > 0 else 0.0
+
+
+def check_gpus_fit(config: TrainConfig, cluster_gpus: float, start_rollout: bool) -> None:
+    """Refuses (ValueError), naming the numbers, a run whose learner processes and, when started here, rollout
+    replicas need more GPUs than the Ray cluster has: Ray would leave the rest pending forever instead of failing."""
+    demand = {"learner": (config.deepspeed.num_processes, learner_gpus(config, cluster_gpus))}
+    if start_rollout:
+        demand = {"rollout": (config.local.rollout_replicas, rollout_gpus(config, cluster_gpus)), **demand}
+    needed = sum(count * gpus for count, gpus in demand.values())
+    if needed > cluster_gpus:
+        itemised = ", ".join(f"{name} {count} x {gpus:g}" for name, (count, gpus) in demand.items())
+        raise ValueError(
+            f"this run needs {needed:g} GPUs ({itemised}) and the Ray cluster has {cluster_gpus:g}: lower "
+            "local.rollout_replicas or deepspeed.num_processes, or add GPU nodes"
+        )
+
+
 @_with_fan_outs
 class RayPolicy(Policy):
     """`DeepSpeedPolicy` over `config.deepspeed.num_processes` Ray actors. The spread `Policy` calls are added by
@@ -112,13 +136,8 @@ class RayPolicy(Policy):
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-        gpus = learner_gpus(config, cluster_gpus)
-        if gpus * world > cluster_gpus:  # Ray would leave the actors pending forever
-            raise ValueError(
-                f"the learner needs {gpus * world:g} GPUs (deepspeed.num_processes={world} x local.learner_gpus="
-                f"{gpus:g}) and the Ray cluster has {cluster_gpus:g}: lower num_processes or add GPU nodes"
-            )
-        options = {"num_cpus": config.local.learner_cpus, "num_gpus": gpus}
+        check_gpus_fit(config, cluster_gpus, start_rollout=False)
+        options = {"num_cpus": config.local.learner_cpus, "num_gpus": learner_gpus(config, cluster_gpus)}
         self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
         master, port = ray.get(self.actors[0].rendezvous.remote())
         settings = config.model_dump(mode="json")

@@ -80,8 +80,8 @@ def test_learner_gpus_follow_the_cluster():
 
 
 def test_replicas_ask_for_their_tensor_parallel_gpus_and_a_run_that_does_not_fit_is_refused():
-    from rlep.services.cli.errors import UserError
-    from rlep.services.cli.stack import check_gpus_fit, rollout_gpus
+    pytest.importorskip("ray")
+    from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
 
     paper = TrainConfig.model_validate(
         {
@@ -91,7 +91,9 @@ def test_replicas_ask_for_their_tensor_parallel_gpus_and_a_run_that_does_not_fit
     )
     assert rollout_gpus(paper, cluster_gpus=8.0) == 2.0 and rollout_gpus(paper, cluster_gpus=0.0) == 0.0
     check_gpus_fit(paper, cluster_gpus=8.0, start_rollout=True)  # 2 x 2 + 4 x 1: one 8-GPU node
-    with pytest.raises(UserError, match=r"needs 8 GPUs \(rollout 2 x 2, learner 4 x 1\) .* has 6"):
+    with pytest.raises(ValueError, match=r"needs 8 GPUs \(rollout 2 x 2, learner 4 x 1\) .* has 6"):
         check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=True)
     check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=False)  # replicas elsewhere: the learner's 4 fit
+    with pytest.raises(ValueError, match=r"needs 4 GPUs \(learner 4 x 1\) .* has 2"):  # RayPolicy's own check
+        check_gpus_fit(paper, cluster_gpus=2.0, start_rollout=False)
     check_gpus_fit(TrainConfig(), cluster_gpus=0.0, start_rollout=True)  # CPUs only: nothing asked, nothing refused
