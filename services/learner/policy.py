@@ -184,9 +184,11 @@ class DeepSpeedPolicy:
         normalizer = mini_batch_normalizer(batch.loss_mask[mini], algo.loss_agg, self.world_size)
         micros = self._micro_batches(batch, mini)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
+        mini_tokens = 0.0  # counted on the host copies: no device sync, no copy to the device per micro-batch
         for i, (rows, scale) in enumerate(micros):
             host = batch.select(rows)
-            tokens = float(host.loss_mask.sum()) * scale  # counted on the host copy: no device sync
+            tokens = float(host.loss_mask.sum()) * scale
+            mini_tokens += tokens
             sub = host.to(self.device)
             new, entropy = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask)
             loss, stats = policy_loss(
@@ -211,9 +213,9 @@ class DeepSpeedPolicy:
                 stats["clip_fraction_dual"] * tokens,
                 stats["approx_kl"] * tokens,
                 (entropy * sub.loss_mask).sum() * scale,
-                torch.tensor(tokens, device=self.device),
             ]
-            sums += torch.stack([p.to(torch.float64) for p in parts])
+            sums[:-1] += torch.stack([p.to(torch.float64) for p in parts])
+        sums[-1] += mini_tokens  # STAT_KEYS ends with "tokens"
         self.optimizer_steps += 1
         return sums
 
@@ -249,9 +251,11 @@ class DeepSpeedPolicy:
         params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
         gather = self.config.deepspeed.zero_stage == 3
         for name in module.state_dict():
+            if self.tied and name == "lm_head.weight":
+                continue  # the embedding carries it
             if name in buffers:
                 yield name, buffers[name].detach().to(self.checkpoint_dtype)
-            elif name in params:  # else a tied alias, which named_parameters() leaves out
+            elif name in params:
                 with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=None, enabled=gather):
                     yield name, params[name].detach().to(self.checkpoint_dtype)
 
@@ -264,8 +268,6 @@ class DeepSpeedPolicy:
         for name, tensor in self._device_weights():
             if keep:
                 state[name] = tensor.to("cpu", copy=copy)
-        if self.tied:
-            state.pop("lm_head.weight", None)  # the embedding carries it
         return state
 
     def push_weights(self, target: ReplicaTarget, version: int, sync: WeightSyncConfig) -> PushResult | None:
@@ -322,7 +324,7 @@ class DeepSpeedPolicy:
         Every rank calls it (ZeRO-3 gathers need all of them); rank 0 joins `group` once and broadcasts.
         A failed broadcast leaves its group (the transport's next push names a new one).
         """
-        tensors = (tensor for name, tensor in self._device_weights() if not (self.tied and name == "lm_head.weight"))
+        tensors = (tensor for _, tensor in self._device_weights())
         if self.rank != 0:
             if self.config.deepspeed.zero_stage == 3:
                 for _ in tensors:  # rank 0 sends each parameter straight from the gather on its device
