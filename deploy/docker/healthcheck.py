@@ -16,17 +16,9 @@ TIMEOUT_S = 3.0
 
 
 def grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from rlep.common.health import is_serving  # TLS when RLEP_TLS_CA_FILE is set, as for every client
 
-    from rlep.common.grpc_utils import make_channel
-
-    with make_channel(address) as channel:  # TLS when RLEP_TLS_CA_FILE is set, as for every client
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return is_serving(address, TIMEOUT_S)
 
 
 def http_ok(url: str) -> bool:
