@@ -95,6 +95,7 @@ class _BroadcastJob(_Job):
     rank_offset: int = 1
     entries: Sequence = ()  # (name, TensorInfo) in broadcast order
     version: int = 0
+    bucket_bytes: int = 0
 
 
 class VersionError(ValueError):
@@ -103,6 +104,13 @@ class VersionError(ValueError):
 
 class BroadcastFailed(RuntimeError):
     """A weight broadcast that did not complete (a peer died, or it timed out); the previous weights still serve."""
+
+
+@dataclass(frozen=True)
+class BroadcastReceipt:
+    load_seconds: float
+    peak_bytes: int
+    """Most bytes of received tensors one worker held at once: the push's memory beyond the model."""
 
 
 class RolloutEngine:
@@ -126,6 +134,7 @@ class RolloutEngine:
         self._request_ids = itertools.count()
         self._closing = False
         self._thread_error: str | None = None
+        self._retired: str | None = None  # why the model can no longer be trusted (a broadcast failed mid-load)
         # Counters, for metrics and for tests that must see an event happen (`wait_until`).
         self._changed = threading.Condition()
         self.generated_tokens = 0
@@ -145,6 +154,8 @@ class RolloutEngine:
         """Why this engine can no longer generate (its thread or its engine core died), or None."""
         if self._closing:
             return None  # stopping on purpose
+        if self._retired:
+            return self._retired
         if self._thread_error or not self._thread.is_alive():
             return f"the rollout engine thread stopped: {self._thread_error or 'no error recorded'}"
         return "the vLLM engine core process died" if self._core_dead() else None
@@ -198,11 +209,17 @@ class RolloutEngine:
             return "a weight broadcast over NCCL needs a GPU worker; this one runs on CPU (use backend gloo)"
         return None
 
-    def receive_broadcast(self, group, rank_offset: int, entries: Sequence, version: int) -> float:
-        """Joins `group` (unless its workers are members already) and receives `entries` as `version`; returns
-        seconds. BroadcastFailed when the broadcast does not complete: the previous version keeps serving."""
-        job = self._put(_BroadcastJob(group=group, rank_offset=rank_offset, entries=entries, version=version))
-        return job.future.result()
+    def receive_broadcast(
+        self, group, rank_offset: int, entries: Sequence, version: int, bucket_bytes: int
+    ) -> BroadcastReceipt:
+        """Joins `group` (unless its workers are members already) and receives `entries` as `version`, loading a
+        bucket at a time. BroadcastFailed when it fails before loading began: the previous version keeps serving.
+        EngineUnavailable when it fails later (the model is part old, part new) or a collective is stuck on the
+        device: the engine is then retired for good (`failure`), and the worker's watchdog ends it."""
+        job = _BroadcastJob(
+            group=group, rank_offset=rank_offset, entries=entries, version=version, bucket_bytes=bucket_bytes
+        )
+        return self._put(job).future.result()
 
     def fail_waiting(self, reason: str) -> int:
         """Fails every queued or running job with EngineUnavailable (their callers return at once)."""
@@ -234,7 +251,8 @@ class RolloutEngine:
             job, self._pending = self._pending, None
         else:
             job = self._queue.get()
-        return None if self._closing else job
+        # A retired model generates nothing more: queued callers are released by the watchdog (`fail_waiting`).
+        return None if self._closing or self._retired else job
 
     def _run(self) -> None:
         try:
@@ -286,7 +304,7 @@ class RolloutEngine:
             self._count(loads_behind_generation=1)
         return time.perf_counter() - started
 
-    def _receive_broadcast(self, job: _BroadcastJob) -> float:
+    def _receive_broadcast(self, job: _BroadcastJob) -> BroadcastReceipt:
         self._check_newer(job.version)
         started = time.perf_counter()
         group, key = job.group, (job.group, job.rank_offset)
@@ -299,7 +317,9 @@ class RolloutEngine:
                 args = (group.master_address, group.master_port, job.rank_offset, group.world_size)
                 self._llm.collective_rpc("init_weight_broadcast", args=(*args, group.backend, group.timeout_s))
                 self._joined_group = key
-            self._llm.collective_rpc("receive_weight_broadcast", args=(names, dtypes, shapes))
+            outcomes = self._llm.collective_rpc(
+                "receive_weight_broadcast", args=(names, dtypes, shapes, job.bucket_bytes)
+            )
         except Exception as err:
             # The workers left the group (worker_extension.py): the sender's next push forms a new one.
             self._joined_group = None
@@ -307,9 +327,18 @@ class RolloutEngine:
             if isinstance(error, EngineUnavailable):
                 raise error from err
             raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {err}") from err
+        if errors := [o["error"] for o in outcomes if o["error"]]:
+            self._joined_group = None
+            if any(o["loading"] or o["wedged"] for o in outcomes):  # some worker's layers are no longer version N
+                self._retired = (
+                    f"a weight broadcast failed after loading began ({errors[0]}): the model is part version "
+                    f"{self._version}, part version {job.version}, so this worker retires"
+                )
+                raise EngineUnavailable(self._retired)
+            raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {errors[0]}")
         self._llm.reset_prefix_cache()
         self._version = job.version
-        return time.perf_counter() - started
+        return BroadcastReceipt(time.perf_counter() - started, max(o["peak_bytes"] for o in outcomes))
 
     def _add_requests(self, job: _GenerateJob) -> list[str]:
         """Adds one job's prompts to vLLM; if vLLM refuses one, the job's others are taken back."""

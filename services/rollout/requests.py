@@ -262,6 +262,8 @@ class WeightIntake:
             raise WeightError(f"nccl_broadcast.backend {broadcast.backend} is not NCCL or GLOO")
         if not (math.isfinite(broadcast.timeout_s) and 0 <= broadcast.timeout_s <= MAX_BROADCAST_TIMEOUT_S):
             raise WeightError(f"nccl_broadcast.timeout_s must be in [0, {MAX_BROADCAST_TIMEOUT_S:g}] (0 = default)")
+        if broadcast.bucket_bytes < 0:
+            raise WeightError("nccl_broadcast.bucket_bytes must be >= 0 (0 = default)")
         group = BroadcastGroup(
             broadcast.master_address,
             broadcast.master_port,

@@ -32,6 +32,7 @@ from rlep.services.rollout.engine import (
 )
 from rlep.services.rollout.requests import PromptEncoder, WeightIntake, sampling_from_request
 from rlep.services.rollout.types import Generation
+from rlep.services.weights.broadcast import DEFAULT_BUCKET_BYTES
 from rlep.services.weights.payload import WeightError
 from rlep.services.weights.wire import decode_chunk
 
@@ -64,6 +65,10 @@ class RolloutMetrics:
             (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
         self.weight_version = m.gauge("rlep_rollout_weight_version", "Policy version being served")
+        self.receive_peak_bytes = m.gauge(
+            "rlep_rollout_weight_receive_peak_bytes",
+            "Most bytes of received tensors a worker held at once during the last broadcast push",
+        )
         self.update_seconds = m.histogram(
             "rlep_rollout_weight_update_seconds",
             "Duration of an UpdateWeights call (receive + check + load)",
@@ -194,7 +199,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if problem := self._engine.broadcast_problem(group.backend):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         try:
-            load_seconds = self._engine.receive_broadcast(group, broadcast.rank_offset, entries, header.version)
+            bucket_bytes = broadcast.bucket_bytes or DEFAULT_BUCKET_BYTES
+            receipt = self._engine.receive_broadcast(
+                group, broadcast.rank_offset, entries, header.version, bucket_bytes
+            )
         except VersionError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except BroadcastFailed as err:  # a peer died or timed out; the learner's next push forms a new group
@@ -203,10 +211,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         except EngineUnavailable as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         self._metrics.weight_version.set(self._engine.version)
+        self._metrics.receive_peak_bytes.set(receipt.peak_bytes)
         return rollout_pb2.UpdateWeightsResponse(
             version=header.version,
-            receive_seconds=time.perf_counter() - started - load_seconds,
-            load_seconds=load_seconds,
+            receive_seconds=time.perf_counter() - started - receipt.load_seconds,
+            load_seconds=receipt.load_seconds,
+            receive_peak_bytes=receipt.peak_bytes,
         )
 
     # -- GetStatus ---------------------------------------------------------------------------

@@ -7,11 +7,15 @@ so they are plain values (a file path, names and shapes), never tensors or pickl
   name, shape, dtype and digest before it gets here (services/weights/payload.py).
 - `init_weight_broadcast` / `receive_weight_broadcast`: vLLM's documented RLHF pattern, a process
   group of our own between learner rank 0 and the workers, then one broadcast per tensor over NCCL
-  (GPU workers; NOT exercised by CI) or gloo (any worker; CI runs it on the CPU build). Both load
-  through the same `reload_weights` as `load_safetensors_file`, after every tensor has arrived.
+  (GPU workers; NOT exercised by CI) or gloo (any worker; CI runs it on the CPU build). They load
+  through the same `reload_weights` as `load_safetensors_file`, a bucket at a time as the tensors
+  arrive (vLLM's layerwise reload, as its own NCCLWeightTransferEngine does), so a push needs one
+  bucket of memory on the worker, not a second copy of the model.
 """
 
 from __future__ import annotations
+
+import itertools
 
 
 class WeightSyncExtension:
@@ -61,26 +65,49 @@ class WeightSyncExtension:
         rank = get_world_group().rank + rank_offset
         self._weight_broadcast = setup_communicator(group, rank, getattr(self, "device", None))
 
-    def receive_weight_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
-        """Receives each named tensor from rank 0, then loads them all; returns the count.
-
-        On any failure the group is left (the next push joins a new one) and the model keeps its weights.
+    def receive_weight_broadcast(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
+    ) -> dict:
+        """Receives the named tensors from rank 0 and loads each bucket as it arrives. Never raises: it returns what
+        happened, for the engine to decide whether the replica can go on serving:
+        `tensors` loaded, `peak_bytes` (most bytes of received tensors alive at once), `error` (None on success),
+        `loading` (loading had begun: after a failure the model is part old, part new) and `wedged` (a collective
+        timed out on the device). The first bucket arrives before loading begins, so a model no larger than a bucket
+        is replaced atomically. On failure the group is left (the next push joins a new one).
         """
-        from rlep.services.weights.broadcast import receive_state_dict
+        from rlep.services.weights.broadcast import HeldBytes, receive_buckets
         from rlep.services.weights.payload import TensorInfo
 
+        outcome = {"tensors": 0, "peak_bytes": 0, "error": None, "loading": False, "wedged": False}
         communicator = getattr(self, "_weight_broadcast", None)
         if communicator is None:
-            raise RuntimeError("init_weight_broadcast was not called on this worker (or its last broadcast failed)")
+            outcome["error"] = "init_weight_broadcast was not called on this worker (or its last broadcast failed)"
+            return outcome
         entries = [(n, TensorInfo(d, tuple(s))) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        held = HeldBytes()
+        buckets = receive_buckets(communicator, entries, bucket_bytes, held)
+
+        def one_by_one(first: list):
+            for bucket in itertools.chain([first], buckets):
+                while bucket:  # handed over one at a time, so each is freed once vLLM no longer needs it
+                    outcome["tensors"] += 1
+                    yield bucket.pop(0)
+
         try:
-            state_dict = receive_state_dict(communicator, entries)
-        except BaseException:
+            weights = one_by_one(next(buckets))
+            outcome["loading"] = True  # from here on the model's layers are being replaced
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            for _ in weights:  # a loader that stopped early must not leave the sender waiting
+                pass
+            if outcome["tensors"] != len(entries):
+                raise RuntimeError(f"the model took {outcome['tensors']} of the {len(entries)} tensors broadcast")
+            self._refresh_tied_output_layer()
+        except Exception as err:
+            outcome["error"] = f"{type(err).__name__}: {err}"
+            outcome["wedged"] = communicator.wedged
             self._leave_weight_broadcast()
-            raise
-        self.reload_weights(weights_iterator=iter(state_dict), is_checkpoint_format=True)
-        self._refresh_tied_output_layer()
-        return len(state_dict)
+        outcome["peak_bytes"] = held.peak
+        return outcome
 
     def _leave_weight_broadcast(self) -> None:
         communicator, self._weight_broadcast = getattr(self, "_weight_broadcast", None), None

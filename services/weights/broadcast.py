@@ -14,11 +14,18 @@ The group's `backend` picks the communicator; everything else is the same code:
 Neither touches torch.distributed's default group, so DeepSpeed's group in the learner and vLLM's in the
 worker are left alone.
 
-Failures are bounded: gloo fails a tensor after `timeout_s` and at once when a peer's socket closes (a peer
-process died); a join fails after `timeout_s` once rank 0's store is up, but a worker whose rank 0 never
-comes waits out TCPStore's connect retries, measured at ~3x `timeout_s`. A failed communicator is closed and
-never reused: the next push builds a new group on a new port. NCCL has no such bound (a dead peer hangs the
-broadcast until the caller's RPC timeout; the worker thread stays blocked): that part only a GPU run could show.
+Receiving workers load the tensors as they arrive, a bucket at a time (`receive_buckets`): the extra memory a push
+takes on a worker is one bucket plus what vLLM's layerwise reload buffers for a layer not yet complete, never a
+second copy of the model (docs/scaling.md has the arithmetic at 7B). The first bucket is received before loading
+starts, so a push that fails within it leaves the previous weights serving; a failure later leaves a model part old,
+part new, and the replica retires (services/rollout/engine.py).
+
+Failures are bounded: every `synchronize` (one per bucket, on both ends) waits at most `timeout_s`; gloo also fails a
+tensor after `timeout_s`, and at once when a peer's socket closes (a peer process died). A join fails after
+`timeout_s` once rank 0's store is up, but a worker whose rank 0 never comes waits out TCPStore's connect retries,
+measured at ~3x `timeout_s`. An NCCL collective that times out leaves work queued on the GPU that only ending the
+process frees: the communicator says so (`wedged`) and the replica retires. A closed communicator is destroyed
+(NCCL: `ncclCommAbort`, its GPU buffers freed) and never reused: the next push builds a new group on a new port.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +51,8 @@ BACKENDS = ("nccl", "gloo")
 # A join waits for every rank, and a worker joins only once its engine finishes the batch it is generating:
 # long enough for a batch of long samples on a slow CPU, short enough that a dead peer is reported promptly.
 DEFAULT_TIMEOUT_S = 60.0
+# Tensors received before each load (and sent between two waits for completion): 512 MiB, verl's default bucket.
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 _STORE_PREFIX = "rlep-weights"  # keys of our group in its store, apart from anything else using the port
 
 
@@ -54,7 +66,7 @@ class BroadcastGroup:
     backend: str = "nccl"
     """`nccl` (GPUs) or `gloo` (TCP, any device)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Bound on joining the group and on each tensor; a peer that died fails it sooner."""
+    """Bound on joining the group and on each bucket; a peer that died fails it sooner."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -86,11 +98,32 @@ def rank_offsets(replicas: int, workers_per_replica: int) -> list[int]:
     return [1 + i * workers_per_replica for i in range(replicas)]
 
 
+class CollectiveTimeout(RuntimeError):
+    """A broadcast did not complete within the group's `timeout_s`: a peer died or hangs."""
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Polls `done` (a CUDA event's `query`) until it holds or `timeout_s` passes; False on timeout.
+
+    NCCL has no timeout of its own: a broadcast whose peer died spins on the GPU for ever, and a blocking
+    `synchronize` would hang the caller with it. Polling from 1 ms, backing off to 20 ms, costs no more than that.
+    """
+    deadline, pause = time.monotonic() + timeout_s, 0.001
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
 class Communicator(ABC):
     """One rank's membership of a broadcast group: `broadcast` moves a tensor from rank 0 to every rank."""
 
     device: torch.device
     """Where the tensors handed to `broadcast` must live."""
+    wedged: bool = False
+    """A collective timed out with work still queued on the device, which only ending this process frees (NCCL)."""
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -98,11 +131,11 @@ class Communicator(ABC):
 
     @abstractmethod
     def synchronize(self) -> None:
-        """Waits until every broadcast issued so far is done."""
+        """Waits until every broadcast issued so far is done; CollectiveTimeout after the group's `timeout_s`."""
 
     @abstractmethod
     def close(self) -> None:
-        """Leaves the group; a closed (or failed) communicator is never used again."""
+        """Leaves the group and frees what it holds; a closed (or failed) communicator is never used again."""
 
 
 class GlooCommunicator(Communicator):
@@ -149,6 +182,7 @@ class NcclCommunicator(Communicator):
         if not torch.cuda.is_available():
             raise RuntimeError("an NCCL weight broadcast needs a GPU (use backend gloo on CPU)")
         self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self._timeout_s = group.timeout_s
         store = StatelessProcessGroup.create(
             host=group.master_address,
             port=group.master_port,
@@ -162,10 +196,16 @@ class NcclCommunicator(Communicator):
         self._nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
 
     def synchronize(self) -> None:
-        torch.cuda.current_stream().synchronize()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream())
+        if not wait_until(done.query, self._timeout_s):
+            self.wedged = True
+            raise CollectiveTimeout(f"an NCCL broadcast did not complete within {self._timeout_s:g} s")
 
     def close(self) -> None:
-        self._nccl = None
+        nccl, self._nccl = self._nccl, None
+        if nccl is not None:
+            nccl.destroy()  # ncclCommAbort (vLLM bounds it at 5 s): the communicator's GPU buffers are freed
 
 
 def setup_communicator(group: BroadcastGroup, rank: int, device: torch.device | None = None) -> Communicator:
@@ -186,12 +226,18 @@ class WeightSender:
         self.group = group
         self.communicator = setup_communicator(group, 0, device)
 
-    def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
+    def broadcast(self, tensors: Iterable[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Sends `tensors` in manifest order. They may be made as they are sent (a ZeRO-3 gather per parameter), so
-        the sender holds one at a time; each moves to the communicator's device only if it is not there already."""
+        the sender holds one at a time; each moves to the communicator's device only if it is not there already.
+        Every `bucket_bytes` it waits for the receivers (bounded by the group's timeout), so a dead peer is found."""
         try:
+            sent = 0
             for tensor in tensors:
                 self.communicator.broadcast(tensor.to(self.communicator.device).contiguous())
+                sent += tensor.numel() * tensor.element_size()
+                if sent >= bucket_bytes:
+                    self.communicator.synchronize()
+                    sent = 0
             self.communicator.synchronize()
         except BaseException:
             self.communicator.close()
@@ -201,18 +247,55 @@ class WeightSender:
         self.communicator.close()
 
 
+class HeldBytes:
+    """Bytes of the tracked tensors still alive, and the most at any moment: what a receive holds beyond the model."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._lock = threading.Lock()
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        size = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(tensor, self._release, size)
+        return tensor
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self.now -= size
+
+
+def receive_buckets(
+    communicator: Communicator,
+    entries: Sequence[tuple[str, TensorInfo]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    held: HeldBytes | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """A receiving rank's side of one broadcast: the tensors of `entries` in order, a bucket of at most `bucket_bytes`
+    at a time (a larger tensor is a bucket of its own), each bucket complete when it is yielded. Consumed lazily, the
+    receiver holds one bucket plus whatever its consumer keeps; `held` counts the received tensors still alive."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, info in entries:
+        if bucket and size + info.nbytes > bucket_bytes:
+            communicator.synchronize()
+            yield bucket
+            bucket, size = [], 0
+        tensor = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype], device=communicator.device)
+        if held is not None:
+            held.track(tensor)
+        communicator.broadcast(tensor)
+        bucket.append((name, tensor))
+        size += info.nbytes
+    communicator.synchronize()
+    if bucket:
+        yield bucket
+
+
 def receive_state_dict(
     communicator: Communicator, entries: Sequence[tuple[str, TensorInfo]]
 ) -> list[tuple[str, torch.Tensor]]:
-    """A receiving rank's side of one broadcast: every tensor of `entries`, in order, all of them or an error.
-
-    The whole state dict is received before any of it is loaded, so a broadcast that fails midway leaves the
-    model on its previous weights (the price: one extra copy of the weights while receiving).
-    """
-    out = []
-    for name, info in entries:
-        tensor = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype], device=communicator.device)
-        communicator.broadcast(tensor)
-        out.append((name, tensor))
-    communicator.synchronize()
-    return out
+    """Every tensor of one broadcast, all held at once (checks and tools; a rollout worker loads bucket by bucket)."""
+    return [pair for bucket in receive_buckets(communicator, entries, bucket_bytes=2**62) for pair in bucket]

@@ -42,8 +42,12 @@ class NcclSyncConfig(StrictModel):
     i x W + W; each loads its own shard of every full tensor). None = the replicas' tensor-parallel size
     (`local.rollout_engine.tensor_parallel_size`); set it only for replicas started elsewhere with another one."""
     timeout_s: float = Field(60.0, gt=0, le=3600)
-    """Bound on every rank's join and on each tensor: a peer that died or never came fails the push within it
+    """Bound on every rank's join and on each bucket: a peer that died or never came fails the push within it
     (gloo fails at once when a peer's connection closes). Covers a worker finishing its generation batch first."""
+    bucket_mb: float = Field(512.0, gt=0, le=65536)
+    """MiB of tensors a rollout worker receives before loading them into its model: the push's memory beyond the
+    model on each worker (plus one layer vLLM buffers). A model no larger than one bucket is replaced atomically;
+    a larger one's push that fails after its first bucket retires the replica (it restarts on its start weights)."""
 
 
 def _transport_of(value: Any) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.weights.broadcast import (
+    DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
     BroadcastGroup,
     manifest_bytes,
@@ -157,9 +158,10 @@ class BroadcastTransport(WeightTransport):
         workers_per_replica: int = 1,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ):
         self.sender, self.workers_per_replica = sender, workers_per_replica
-        self.backend, self.timeout_s = backend, timeout_s
+        self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
         self._next_port = first_port
         self._groups: dict[tuple[str, ...], BroadcastGroup] = {}
         self._manifest: list[tuple[str, TensorInfo]] | None = None  # tensor names, dtypes, shapes (fixed for a run)
@@ -179,7 +181,9 @@ class BroadcastTransport(WeightTransport):
         group = self.group(addresses)
         self._manifest = self._manifest or self.sender.weight_manifest()
         offsets = rank_offsets(len(addresses), self.workers_per_replica)
-        requests = [iter(broadcast_messages(version, self._manifest, group, offset)) for offset in offsets]
+        requests = [
+            iter(broadcast_messages(version, self._manifest, group, offset, self.bucket_bytes)) for offset in offsets
+        ]
         try:
             yield WeightPush(requests, after_start=lambda: self.sender.broadcast_weights(group), all_replicas=True)
         except BaseException:
@@ -211,7 +215,8 @@ def setup_weight_transport(
         case NcclSyncConfig() if sender is not None:
             backend = resolve_backend(config.backend, sender.sender_device())
             workers = config.workers_per_replica or tensor_parallel_size
-            return BroadcastTransport(sender, config.nccl_port, workers, backend, config.timeout_s)
+            bucket_bytes = int(config.bucket_mb * 2**20)
+            return BroadcastTransport(sender, config.nccl_port, workers, backend, config.timeout_s, bucket_bytes)
     raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
 
 
@@ -243,7 +248,11 @@ def stream_payload(
 
 
 def broadcast_messages(
-    version: int, entries: Sequence[tuple[str, TensorInfo]], group: BroadcastGroup, rank_offset: int
+    version: int,
+    entries: Sequence[tuple[str, TensorInfo]],
+    group: BroadcastGroup,
+    rank_offset: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> list[rollout_pb2.WeightChunk]:
     """One replica's call of a broadcast push: the header (manifest digest and size), then its place in `group`."""
     header = rollout_pb2.WeightHeader(
@@ -260,5 +269,6 @@ def broadcast_messages(
         tensors=[rollout_pb2.TensorSpec(name=n, dtype=i.dtype, shape=list(i.shape)) for n, i in entries],
         backend=BACKEND_TO_PROTO[group.backend],
         timeout_s=group.timeout_s,
+        bucket_bytes=bucket_bytes,
     )
     return [rollout_pb2.WeightChunk(header=header), rollout_pb2.WeightChunk(nccl_broadcast=chunk)]

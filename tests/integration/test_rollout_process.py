@@ -112,3 +112,71 @@ def test_a_dead_engine_core_retires_the_worker(tmp_path):
         proc.kill()
     print(f"engine core killed: exit {proc.returncode} after {time.monotonic() - killed:.1f} s")
     assert proc.returncode == ENGINE_FAILED_EXIT_CODE
+
+
+def _greedy(stub: rollout_pb2_grpc.RolloutStub) -> tuple[int, list[int], list[float]]:
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(text="Q: 2+3=?\nA: ")],
+        sampling=rollout_pb2.SamplingOptions(n=1, temperature=0.0, max_tokens=12),
+    )
+    [sample] = stub.Generate(request, timeout=120).completions[0].samples
+    return sample.policy_version, list(sample.token_ids), list(sample.logprobs)
+
+
+def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_serves_the_old_weights(tmp_path):
+    """A push in buckets replaces the model layer by layer; when the learner dies after the first bucket the model is
+    part old, part new: the worker turns NOT_SERVING within the broadcast's timeout and exits for its supervisor,
+    and the worker it restarts serves the weights it started with."""
+    import multiprocessing
+
+    from transformers import AutoModelForCausalLM
+
+    from rlep.services.weights.broadcast import BroadcastGroup, manifest
+    from rlep.services.weights.transport import broadcast_messages
+    from tests.integration import broadcast_peers
+    from tests.integration.test_rollout import perturbed_state_dict
+
+    timeout_s = 30.0
+    proc, port = start_worker(tmp_path)
+    try:
+        channel = make_channel(f"127.0.0.1:{port}")
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        model_path = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).model
+        before = _greedy(stub)
+        state_dict = perturbed_state_dict(AutoModelForCausalLM.from_pretrained(model_path), seed=1)
+        bucket = max(t.numel() * t.element_size() for t in state_dict.values())
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+
+        group = BroadcastGroup("127.0.0.1", free_port(), 2, "gloo", timeout_s)
+        call = stub.UpdateWeights.future(iter(broadcast_messages(1, manifest(state_dict), group, 1, bucket)))
+        sender = multiprocessing.get_context("spawn").Process(
+            target=broadcast_peers.send_and_die, args=(group, state_dict, len(state_dict) // 2), daemon=True
+        )
+        sender.start()
+        sender.join(timeout_s * 2)
+        assert sender.exitcode == -signal.SIGKILL  # died half way, many buckets after loading began
+        died = time.monotonic()
+        statuses = []
+        try:
+            for reply in watch:
+                statuses.append(reply.status)
+                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        except grpc.RpcError:  # the worker went away; what it said before is in `statuses`
+            pass
+        retired_s = time.monotonic() - died
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        error = call.exception(timeout=timeout_s)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "part version 0, part version 1" in error.details()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    print(f"sender killed mid-push: NOT_SERVING after {retired_s:.1f} s, exit {proc.returncode}")
+    assert retired_s < timeout_s and proc.returncode == ENGINE_FAILED_EXIT_CODE
+
+    proc, port = start_worker(tmp_path)  # what its supervisor does
+    try:
+        assert _greedy(rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{port}"))) == before
+    finally:
+        proc.kill()

@@ -12,13 +12,14 @@ import signal
 import time
 
 import grpc
+import psutil
 import pytest
 import torch
 
 from rlep.common.ports import free_port
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.types import Sampling
-from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
+from rlep.services.weights.broadcast import DEFAULT_BUCKET_BYTES, BroadcastGroup, WeightSender, manifest
 from rlep.services.weights.transport import BroadcastTransport, broadcast_messages
 from tests.integration import broadcast_peers
 from tests.integration.test_rollout import PROMPT, hf_logprobs, perturbed_state_dict
@@ -51,8 +52,10 @@ class StateDictSender:
         return "cpu"
 
 
-def gloo_push(rollout_client, state_dict, version: int):
-    transport = BroadcastTransport(StateDictSender(state_dict), free_port(), backend="gloo", timeout_s=TIMEOUT_S)
+def gloo_push(rollout_client, state_dict, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    transport = BroadcastTransport(
+        StateDictSender(state_dict), free_port(), backend="gloo", timeout_s=TIMEOUT_S, bucket_bytes=bucket_bytes
+    )
     return rollout_client.push_weights(
         lambda: pytest.fail("a broadcast never reads the state dict"), version, transport
     )
@@ -80,6 +83,58 @@ def test_a_gloo_broadcast_loads_the_learners_weights(rollout_client, rollout, hf
         [reply] = gloo_push(rollout_client, state_dict, version)
         assert reply.version == version and rollout_client.versions() == [version]
         assert_serves(rollout_client, hf_model, state_dict, version)
+
+
+def test_a_push_in_buckets_holds_one_bucket_not_a_second_copy_of_the_model(rollout_client, rollout, hf_model):
+    """The worker loads each bucket as it arrives: the received tensors alive at once stay near one bucket (plus the
+    layer vLLM's layerwise reload buffers until complete), where the whole model is held when it fits one bucket."""
+    version = rollout.engine.version
+    state_dict = perturbed_state_dict(hf_model, seed=version + 1)
+    sizes = [t.numel() * t.element_size() for t in state_dict.values()]
+    total, bucket = sum(sizes), max(sizes)
+
+    [whole] = gloo_push(rollout_client, state_dict, version + 1)  # the default bucket holds this model whole
+    assert whole.receive_peak_bytes == total
+    state_dict = perturbed_state_dict(hf_model, seed=version + 2)
+    [bucketed] = gloo_push(rollout_client, state_dict, version + 2, bucket_bytes=bucket)
+    print(
+        f"push of {total} bytes: peak {whole.receive_peak_bytes} whole, {bucketed.receive_peak_bytes} in buckets "
+        f"of {bucket} ({len(sizes)} tensors)"
+    )
+    # At most the bucket being loaded plus a layer begun in the previous one (vLLM loads a layer once it is complete).
+    assert bucket <= bucketed.receive_peak_bytes <= bucket + _largest_layer_bytes(state_dict) < total / 2
+    assert_serves(rollout_client, hf_model, state_dict, version + 2)
+
+
+def _open_files(pid: int) -> int:
+    """Files open in the EngineCore process `pid` and in its workers (where the group's sockets live)."""
+    core = psutil.Process(pid)
+    return sum(p.num_fds() for p in [core, *core.children(recursive=True)])
+
+
+def _largest_layer_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Bytes of the largest vLLM layer: q/k/v load into one fused qkv_proj, gate/up into gate_up_proj."""
+    layers: dict[str, int] = {}
+    for name, tensor in state_dict.items():
+        layer = name.replace("q_proj", "qkv").replace("k_proj", "qkv").replace("v_proj", "qkv")
+        layer = layer.replace("gate_proj", "gate_up").replace("up_proj", "gate_up").rsplit(".", 1)[0]
+        layers[layer] = layers.get(layer, 0) + tensor.numel() * tensor.element_size()
+    return max(layers.values())
+
+
+def test_twenty_pushes_through_new_groups_leave_no_group_behind(rollout_client, rollout, hf_model):
+    """Each push forms a new group (a new transport, on a new port): the worker leaves the previous one, so the
+    sockets its engine core holds do not grow with the number of groups it has been in."""
+    [core] = rollout.engine._llm.llm_engine.engine_core.resources.engine_manager.processes  # vLLM's EngineCore
+    version = rollout.engine.version
+    state_dict = perturbed_state_dict(hf_model, seed=version + 1)
+    gloo_push(rollout_client, state_dict, version + 1)
+    before = _open_files(core.pid)
+    for push in range(2, 22):
+        gloo_push(rollout_client, state_dict, version + push)
+    after = _open_files(core.pid)
+    print(f"engine core and workers: {before} open files after the first group, {after} after 20 more")
+    assert after <= before + 2, f"{after - before} files left open by 20 groups"
 
 
 def test_a_wrong_manifest_is_refused_before_joining(stub, rollout, hf_model):

@@ -16,7 +16,7 @@ from rlep.common.files import file_digest
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.learner.config import TrainConfig
 from rlep.services.weights import transport as transport_module
-from rlep.services.weights.broadcast import BroadcastGroup, manifest, manifest_digest
+from rlep.services.weights.broadcast import DEFAULT_BUCKET_BYTES, BroadcastGroup, manifest, manifest_digest
 from rlep.services.weights.config import NcclSyncConfig, WeightSyncConfig
 from rlep.services.weights.payload import read_header
 from rlep.services.weights.transport import (
@@ -163,7 +163,7 @@ def test_broadcast_calls_carry_the_manifest_and_each_replicas_ranks():
         nccl = chunk.nccl_broadcast
         assert (nccl.master_address, nccl.master_port, nccl.world_size) == ("10.0.0.5", 29650, 5)
         assert nccl.rank_offset == offset
-        assert (nccl.backend, nccl.timeout_s) == (rollout_pb2.GLOO, 7)
+        assert (nccl.backend, nccl.timeout_s, nccl.bucket_bytes) == (rollout_pb2.GLOO, 7, DEFAULT_BUCKET_BYTES)
         assert [t.name for t in nccl.tensors] == list(STATE)
     assert sender.broadcasts == []  # the broadcast waits until the calls are started
     push.after_start()
@@ -175,6 +175,13 @@ def test_broadcast_calls_carry_the_manifest_and_each_replicas_ranks():
     with transport.prepare(unread, 5, ["a:1"]):
         pass
     assert sender.manifests == 1
+
+
+def test_the_configured_bucket_travels_in_every_call():
+    transport = setup_weight_transport(NcclSyncConfig(backend="gloo", bucket_mb=0.25), RecordingSender())
+    with transport.prepare(STATE, 1, ["a:1", "b:2"]) as push:
+        buckets = [list(messages)[1].nccl_broadcast.bucket_bytes for messages in push.requests]
+    assert buckets == [256 * 1024, 256 * 1024]
 
 
 def test_a_failed_push_is_never_retried_on_its_group():

@@ -150,7 +150,7 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., shared_file: _Optional[str] = ..., nccl_broadcast: _Optional[_Union[NcclBroadcast, _Mapping]] = ...) -> None: ...
 
 class NcclBroadcast(_message.Message):
-    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "tensors", "backend", "timeout_s")
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "tensors", "backend", "timeout_s", "bucket_bytes")
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class NcclBroadcast(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     rank_offset: int
@@ -165,7 +166,8 @@ class NcclBroadcast(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     backend: BroadcastBackend
     timeout_s: float
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., backend: _Optional[_Union[BroadcastBackend, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    bucket_bytes: int
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., backend: _Optional[_Union[BroadcastBackend, str]] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -178,14 +180,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "receive_seconds", "load_seconds")
+    __slots__ = ("version", "receive_seconds", "load_seconds", "receive_peak_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     receive_seconds: float
     load_seconds: float
-    def __init__(self, version: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    receive_peak_bytes: int
+    def __init__(self, version: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., receive_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
