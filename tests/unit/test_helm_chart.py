@@ -358,3 +358,21 @@ def load_wait_rollout():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_nccl_settings_reach_the_learner_and_the_rollout_workers_only_when_set():
+    def broadcast_containers(docs):
+        [service] = by_kind(docs, "RayService").values()
+        workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+        [learner] = [c for c in learner_job(docs)["spec"]["template"]["spec"]["containers"] if c["name"] == "learner"]
+        return [learner, *workers]
+
+    nccl = {"nccl": {"socketIfname": "ens5", "debug": "INFO"}}
+    for container in broadcast_containers(render({**CUSTOM_VALUES, **nccl})):
+        assert _env(container) | {"NCCL_SOCKET_IFNAME": "ens5", "NCCL_DEBUG": "INFO"} == _env(container)
+    for container in broadcast_containers(render(CUSTOM_VALUES)):
+        assert not {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} & set(_env(container))

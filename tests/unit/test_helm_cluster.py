@@ -146,6 +146,18 @@ def test_gpu_pods_run_the_gpu_image_built_from_dockerfile_gpu():
     assert "USER 1000" in dockerfile and (REPO_ROOT / "deploy/docker/Dockerfile.gpu.dockerignore").exists()
 
 
+def test_the_gpu_image_bakes_flashinfer_kernels_and_says_what_the_node_needs():
+    """vLLM 0.32 on Hopper otherwise downloads and compiles FlashInfer kernels at start (no nvcc in the image)."""
+    dockerfile = (REPO_ROOT / "deploy/docker/Dockerfile.gpu").read_text()
+    steps = [line for line in dockerfile.splitlines() if not line.startswith("#")]
+    install = next(i for i, line in enumerate(steps) if '".[gpu]"' in line)
+    kernels = next(i for i, line in enumerate(steps) if "vllm download-kernels" in line)
+    assert kernels > install, "the kernels must match the flashinfer-python that `rlep[gpu]` installed"
+    assert "ARG FLASHINFER_KERNELS=1" in steps
+    header = dockerfile.split("ARG BASE_IMAGE")[0]
+    assert "CUDA 13" in header and "580" in header and "NCCL_SOCKET_IFNAME" in header and "NCCL_DEBUG" in header
+
+
 # -- what pods read and open -------------------------------------------------------------------------------
 
 

@@ -177,6 +177,17 @@ tls_key_file: /etc/rlep/tls/tls.key
 {{- end }}
 {{- end -}}
 
+{{/* NCCL's settings for the pods that join a weight broadcast (learner, rollout workers): `nccl.socketIfname`
+names the interface the nodes share (NCCL may pick another on multi-NIC nodes), `nccl.debug` its log level. */}}
+{{- define "rlep.ncclEnv" -}}
+{{- with .Values.nccl.socketIfname }}
+- { name: NCCL_SOCKET_IFNAME, value: {{ . | quote }} }
+{{- end }}
+{{- with .Values.nccl.debug }}
+- { name: NCCL_DEBUG, value: {{ . | quote }} }
+{{- end }}
+{{- end -}}
+
 {{/* A gRPC Deployment's probes: the health service needs no token. Argument: (dict "port" 50061 "tls" bool).
 The kubelet's gRPC probe speaks plaintext only, so with TLS the probes check that the port accepts connections. */}}
 {{- define "rlep.grpcProbes" -}}
@@ -316,6 +327,9 @@ spec:
           valueFrom: { fieldRef: { fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']" } }
         - { name: RLEP_RESUME, value: {{ $l.resume | quote }} }
         {{- with include "rlep.tlsEnv" $root | fromYamlArray }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with include "rlep.ncclEnv" $root | fromYamlArray }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
       securityContext:
