@@ -27,6 +27,12 @@ from multiprocessing import connection
 from pathlib import Path
 
 from rlep.common.types import FinishReason
+from rlep.services.rollout.broadcast_receiver import (
+    BroadcastFailed,
+    BroadcastReceipt,
+    BroadcastReceiver,
+    ModelCorrupted,
+)
 from rlep.services.rollout.config import EngineConfig
 from rlep.services.rollout.types import Generation, SampleOut, Sampling, prompt_seed
 from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm, weight_reload_problem
@@ -102,17 +108,6 @@ class VersionError(ValueError):
     """A weight push whose version is not newer than the engine's."""
 
 
-class BroadcastFailed(RuntimeError):
-    """A weight broadcast that did not complete (a peer died, or it timed out); the previous weights still serve."""
-
-
-@dataclass(frozen=True)
-class BroadcastReceipt:
-    load_seconds: float
-    peak_bytes: int
-    """Most bytes of received tensors one worker held at once: the push's memory beyond the model."""
-
-
 class RolloutEngine:
     def __init__(self, config: EngineConfig, initial_version: int = 0, max_batch_prompts: int = 4096):
         from vllm import LLM
@@ -141,7 +136,7 @@ class RolloutEngine:
         self.aborted_requests = 0  # vLLM requests (one per sample) aborted because their caller gave up
         self.loads_behind_generation = 0  # weight loads that were queued while a batch was generating
         self.batch_running = False
-        self._joined_group = None  # (BroadcastGroup, rank offset) this engine's workers are members of
+        self._broadcasts = BroadcastReceiver(self._llm)
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -200,14 +195,6 @@ class RolloutEngine:
         """Loads a validated safetensors payload as `version`; returns the load time in seconds."""
         job = self._put(_LoadJob(path=path, version=version, behind_generation=self.batch_running))
         return job.future.result(timeout=timeout_s)
-
-    def broadcast_problem(self, backend: str) -> str | None:
-        """Why this engine's workers cannot receive a broadcast over `backend`, or None (gloo runs anywhere)."""
-        import torch
-
-        if backend == "nccl" and not torch.cuda.is_available():
-            return "a weight broadcast over NCCL needs a GPU worker; this one runs on CPU (use backend gloo)"
-        return None
 
     def receive_broadcast(
         self, group, rank_offset: int, entries: Sequence, version: int, bucket_bytes: int
@@ -307,35 +294,18 @@ class RolloutEngine:
     def _receive_broadcast(self, job: _BroadcastJob) -> BroadcastReceipt:
         self._check_newer(job.version)
         started = time.perf_counter()
-        group, key = job.group, (job.group, job.rank_offset)
-        names = [name for name, _ in job.entries]
-        dtypes = [info.dtype for _, info in job.entries]
-        shapes = [list(info.shape) for _, info in job.entries]
+        versions = (self._version, job.version)
         try:
-            if self._joined_group != key:
-                self._joined_group = None
-                args = (group.master_address, group.master_port, job.rank_offset, group.world_size)
-                self._llm.collective_rpc("init_weight_broadcast", args=(*args, group.backend, group.timeout_s))
-                self._joined_group = key
-            outcomes = self._llm.collective_rpc(
-                "receive_weight_broadcast", args=(names, dtypes, shapes, job.bucket_bytes)
-            )
+            outcomes = self._broadcasts.receive(job.group, job.rank_offset, job.entries, job.bucket_bytes, versions)
+        except ModelCorrupted as err:
+            self._retired = str(err)
+            raise EngineUnavailable(self._retired) from err
+        except BroadcastFailed:
+            raise
         except Exception as err:
-            # The workers left the group (worker_extension.py): the sender's next push forms a new one.
-            self._joined_group = None
-            error = self._engine_error(err)
-            if isinstance(error, EngineUnavailable):
+            if isinstance(error := self._engine_error(err), EngineUnavailable):
                 raise error from err
             raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {err}") from err
-        if errors := [o["error"] for o in outcomes if o["error"]]:
-            self._joined_group = None
-            if any(o["loading"] or o["wedged"] for o in outcomes):  # some worker's layers are no longer version N
-                self._retired = (
-                    f"a weight broadcast failed after loading began ({errors[0]}): the model is part version "
-                    f"{self._version}, part version {job.version}, so this worker retires"
-                )
-                raise EngineUnavailable(self._retired)
-            raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {errors[0]}")
         self._llm.reset_prefix_cache()
         self._version = job.version
         return BroadcastReceipt(time.perf_counter() - started, max(o["peak_bytes"] for o in outcomes))

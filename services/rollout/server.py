@@ -22,9 +22,9 @@ from rlep.common.grpc_utils import check_request_size, reject_unknown_fields
 from rlep.common.metrics import MetricFactory
 from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep.services.rollout.broadcast_receiver import BroadcastFailed, broadcast_problem
 from rlep.services.rollout.config import RolloutConfig
 from rlep.services.rollout.engine import (
-    BroadcastFailed,
     CallAbandoned,
     EngineUnavailable,
     RolloutEngine,
@@ -196,7 +196,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             group, entries = self._intake.broadcast_entries(header, broadcast, chunks)
         except WeightError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if problem := self._engine.broadcast_problem(group.backend):
+        if problem := broadcast_problem(group.backend):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         try:
             bucket_bytes = broadcast.bucket_bytes or DEFAULT_BUCKET_BYTES
