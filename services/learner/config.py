@@ -50,7 +50,11 @@ class AlgorithmConfig(StrictModel):
     mini_batch_questions: int = Field(64, ge=1)
     """PPO mini-batch in questions, counted in fresh sequences as verl does: one optimizer step per
     `mini_batch_questions x G` rows, so M replayed rows per question add updates (B=512, G=16, M=2,
-    64 -> 9 updates per step)."""
+    64 -> 9 updates per step). `mini_batch_rows: all` counts G + M instead."""
+    mini_batch_rows: Literal["fresh", "all"] = "fresh"
+    """What a mini-batch's `mini_batch_questions` counts: `fresh` (G rows per question, verl's and the paper's
+    reading: replay adds updates) or `all` (G + M: as many updates per step as the M=0 baseline, the control
+    that separates replay's effect from its extra updates)."""
     ppo_epochs: int = Field(1, ge=1)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
@@ -88,6 +92,14 @@ class AlgorithmConfig(StrictModel):
     with k=1: `none` lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous run."""
     behavior_weight_cap: float = Field(2.0, ge=1)
     """Upper bound of a `truncated_is` weight."""
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Rows per optimizer step (`mini_batch_rows`)."""
+        per_question = self.fresh_per_question
+        if self.mini_batch_rows == "all":
+            per_question += self.replayed_per_question
+        return self.mini_batch_questions * per_question
 
     @property
     def untempered(self) -> bool:

@@ -172,8 +172,8 @@ class Trainer:
         batch = build_batch(groups, self.tokenizer.pad_id, with_behavior=algo.correction != "none")
         with timer.phase("train"):
             batch = batch.with_old_logprobs(self.policy.logprobs(batch))
-            # Mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
-            stats = self.policy.update(batch, algo.mini_batch_questions * algo.fresh_per_question)
+            # By default mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
+            stats = self.policy.update(batch, algo.mini_batch_size)
         with timer.phase("weight_push"):
             self.version += 1
             self.push_weights()

@@ -154,3 +154,14 @@ def test_a_section_naming_another_variant_is_not_mixed_with_the_default():
 )
 def test_redact_secrets_masks_url_passwords_only(value, shown):
     assert redact_secrets({"a": [{"url": value}], "n": 3}) == {"a": [{"url": shown}], "n": 3}
+
+
+def test_mini_batches_count_fresh_rows_by_default_and_all_rows_for_the_equal_updates_control():
+    """B=16, G=8, M=2, 4 questions per mini-batch: verl's reading gives RLEP 5 updates per step against the
+    baseline's 4 (160 / 32); counting all rows gives it the baseline's 4 (160 / 40)."""
+    from rlep.services.learner.config import AlgorithmConfig
+
+    sizes = {"questions_per_step": 16, "fresh_per_question": 8, "replayed_per_question": 2, "mini_batch_questions": 4}
+    assert AlgorithmConfig(**sizes).mini_batch_size == 32
+    assert AlgorithmConfig(**sizes, mini_batch_rows="all").mini_batch_size == 40
+    assert AlgorithmConfig(**{**sizes, "replayed_per_question": 0}, mini_batch_rows="all").mini_batch_size == 32
