@@ -2,13 +2,16 @@
 
 1. One supervised warm-up of the tiny model (fixed seed), cached on disk under a key of its settings and
    shared by every run.
-2. Baseline (M=0) per RL seed until it plateaus: no new best by more than `min_delta` over `patience`
-   evaluations in a row, capped at `max_steps`. Each step takes `questions_per_step / mini_batch_questions`
-   PPO mini-batch updates, as the paper does (512 / 64 = 8 there).
+2. Baseline (M=0) per RL seed until it has converged: no new best by more than `min_delta` (one standard error
+   of an evaluation) over `patience` evaluations in a row, capped at `max_steps` (a capped run is reported as
+   such). Each step takes `questions_per_step / mini_batch_questions` PPO mini-batch updates, as the paper does
+   (512 / 64 = 8 there).
 3. Collection from the first seed's converged (final) baseline policy: N samples at T=0.7, top-p 0.95;
    questions with >= 2 correct samples go to the pool. Reports the pool's coverage and diversity.
 4. RLEP (M replayed successes per question) from the same warm-up model, one run per RL seed, as many
-   steps as that seed's baseline ran.
+   steps as that seed's baseline ran; and, with `equal_updates_arm`, RLEP with mini-batches sized over all
+   G + M rows (`algorithm.mini_batch_rows: all`): as many optimizer updates per step as the baseline, so
+   replay's effect is not its extra updates.
 5. Held-out set of `eval_questions` x `eval_samples` (one sample per question: SE = sqrt(p(1-p)/Q) <= 0.01
    at any p for Q >= 2,500), evaluated every `eval_every` steps with the run's seed as sampling seed, so
    both arms of a seed are scored with the same evaluation seed.
@@ -41,7 +44,8 @@ from rlep.services.eval.compare import plateau_step  # noqa: E402
 from rlep.services.learner.config import TrainConfig  # noqa: E402
 
 # Every ablation cell: RLEP with these TrainConfig.algorithm values (and a pool) for `ablation_seeds` seeds.
-# `pool`: "phase1" (the protocol's), "phase1-distinct" (collected with >= 2 distinct), "copy" (a per-run
+# `pool`: "phase1" (the protocol's), "phase1-distinct" (collected with >= 2 distinct), "phase1-half" (collected
+# from the first baseline's checkpoint at half its steps), "copy" (a per-run
 # copy of phase1, since online replay writes to it), "empty" (a per-run empty pool).
 # In the order they run: the ones that decide a user's defaults (M, online replay) first.
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -53,7 +57,10 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "strategy=recency": {"algorithm": {"replay_strategy": "recency"}},
     "strategy=prioritized": {"algorithm": {"replay_strategy": "prioritized"}},
     "collect rule >= 2 distinct": {"pool": "phase1-distinct"},
+    "pool from the half-trained policy": {"pool": "phase1-half"},
 }
+# The cells issue 29 asks for (>= 3 seeds each): how many replayed rows, how strong the pool's policy, which draw.
+ISSUE_CELLS = ["M=1", "M=4", "pool from the half-trained policy", "strategy=diverse"]
 NOT_RUNNABLE = {
     "replay failures too": "the replay service keeps CORRECT trajectories only (services/replay/server.py rejects "
     "others), collect() stores successes only, and the learner re-verifies replayed rows expecting successes",
@@ -91,18 +98,21 @@ class ProtocolConfig(StrictModel):
     """With 4 mini-batch updates per step, 1e-4 (the demo's, 1 update) made the baseline fall 0.40 -> 0.34 in 10 steps
     and stay there to step 40; 3e-5 dipped to 0.37 and rose to 0.425 by step 40 (seed 0, 400 eval questions)."""
     max_response_tokens: int = Field(48, ge=8)
-    max_steps: int = Field(200, ge=1)
-    """Cap of the baseline; a capped run is reported as not plateaued."""
-    patience: int = Field(2, ge=1)
-    """Evaluations without a new best that count as a plateau (2 x 20 = 40 steps without one)."""
+    max_steps: int = Field(600, ge=1)
+    """Cap of the baseline, far beyond where baselines converged before (60-200 steps); a capped run is reported as
+    not converged."""
+    patience: int = Field(5, ge=1)
+    """Evaluations without a new best that count as converged (5 x 20 = 100 steps without one)."""
     min_delta: float = Field(0.01, ge=0)
     """A new best must beat the old by more than this (one standard error of an evaluation)."""
+    equal_updates_arm: bool = True
+    """Also run RLEP with as many optimizer updates per step as the baseline (mini-batches over G + M rows)."""
     collect_samples: int = Field(64, ge=2)
     collect_rule: Literal["correct", "distinct"] = "correct"
     """Keep questions with >= 2 correct samples (the paper) or >= 2 distinct correct texts."""
-    ablation_seeds: int = Field(2, ge=1)
-    """Seeds per ablation cell (the first ones of `seeds`)."""
-    ablation_cells: list[str] | None = None
+    ablation_seeds: int = Field(3, ge=1)
+    """Seeds per ablation cell (the first ones of `seeds`); a cell of one seed is no finding."""
+    ablation_cells: list[str] | None = ISSUE_CELLS
     """The cells to run (names of ABLATIONS); None = all. Cells left out are reported as not run."""
     train: dict[str, Any] = {}
     """TrainConfig values every run shares beyond the above (default: configs/demo.yaml's `train`)."""
@@ -127,8 +137,11 @@ def demo_train_settings() -> dict[str, Any]:
 def run_config(
     cfg: ProtocolConfig, run_id: str, seed: int, steps: int, model: Path, pool: str, extra: dict
 ) -> TrainConfig:
-    """The TrainConfig of one run: the protocol's sizes over the shared settings, then `extra` (an ablation)."""
+    """The TrainConfig of one run: the protocol's sizes over the shared settings, then `extra` (an ablation).
+    The first seed's baseline keeps a checkpoint at every evaluation: the half-trained pool comes from one."""
     work = cfg.work_dir / run_id
+    keep_all = run_id == f"baseline-s{cfg.seeds[0]}"
+    checkpoint = {"every_steps": cfg.eval_every, "keep_last": cfg.max_steps // cfg.eval_every} if keep_all else {}
     run = {
         "run_id": run_id,
         "model": str(model),
@@ -143,7 +156,7 @@ def run_config(
             "mini_batch_questions": cfg.mini_batch_questions,
         },
         "optim": {"lr": cfg.lr},
-        "checkpoint": {"dir": str(work), "every_steps": steps, "keep_last": 1},
+        "checkpoint": {"dir": str(work), "every_steps": steps, "keep_last": 1, **checkpoint},
         "log_file": str(work / "log.jsonl"),
         "data": {"train_files": [str(cfg.work_dir / "train.parquet")]},
         "eval": {
@@ -218,6 +231,7 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
 
 def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: str, base: TrainConfig) -> dict:
     """Phase 1 into `pool` (dropped first) from `checkpoint`; returns the collection's and the pool's figures."""
+    step = checkpoint.parent.name.removeprefix("step_")
     from rlep.services.cli.run import policy_tokenizer
     from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
     from rlep.services.learner.cursor import load_questions
@@ -240,6 +254,7 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
     started = time.perf_counter()
     stats = collect(stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base))
     figures = {
+        "checkpoint_step": int(step) if step.isdigit() else None,
         "rule": rule,
         "samples_per_question": cfg.collect_samples,
         "success_rate": stats.success_rate,
@@ -301,6 +316,8 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
     stack = ServiceStack(config("baseline-s0", 0, cfg.max_steps), warm, app_name="rlep-protocol-rollout")
     stack.start(need_replay=True)
     out: dict[str, Any] = {"warmup": {"dir": str(warm), "pass_at_1": warm_pass}, "baseline": {}, "rlep": {}}
+    if cfg.equal_updates_arm:
+        out["rlep_equal"] = {}
     try:
         # The first seed's baseline and the pool, then both arms seed by seed: whatever time allows ends in
         # complete pairs (a rerun reuses finished runs).
@@ -312,7 +329,11 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
         for seed in cfg.seeds:
             if seed != first:
                 out["baseline"][seed] = train_run(config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg)
-            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, out["baseline"][seed]["steps"]), stack, None)
+            steps = out["baseline"][seed]["steps"]
+            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, steps), stack, None)
+            if cfg.equal_updates_arm:
+                equal = config(f"rlep-equal-s{seed}", seed, steps, extra={"algorithm": {"mini_batch_rows": "all"}})
+                out["rlep_equal"][seed] = train_run(equal, stack, None)
         if ablations:
             out["ablations"] = run_ablations(cfg, stack, config, out, checkpoint, base)
     finally:
@@ -337,6 +358,9 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
             if spec.get("pool") == "phase1-distinct":
                 pool = f"protocol-phase1-{other_rule}"
                 out.setdefault("pool_other_rule", collect_pool(cfg, stack, checkpoint, pool, other_rule, base))
+            elif spec.get("pool") == "phase1-half":
+                pool, half = "protocol-phase1-half", half_checkpoint(cfg, out["baseline"][cfg.seeds[0]]["steps"])
+                out.setdefault("pool_half", collect_pool(cfg, stack, half, pool, cfg.collect_rule, base))
             elif spec.get("pool") in ("copy", "empty"):
                 pool = f"protocol-{run_id}"
                 if not (cfg.work_dir / run_id / "result.json").exists():  # a fresh pool per run
@@ -350,21 +374,28 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
     return cells
 
 
+def half_checkpoint(cfg: ProtocolConfig, steps: int) -> Path:
+    """The first baseline's checkpoint at half its steps (rounded down to an evaluation, at least the first)."""
+    step = max(cfg.eval_every, steps // 2 // cfg.eval_every * cfg.eval_every)
+    return cfg.work_dir / f"baseline-s{cfg.seeds[0]}" / f"step_{step}" / "hf"
+
+
 def ablation_run_id(cell: str, seed: int) -> str:
     return "abl-" + "".join(c if c.isalnum() else "-" for c in cell) + f"-s{seed}"
 
 
 def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig, dict]:
     """The results of the runs already done, as run_protocol returns them, without starting anything: what
-    `--report-only` reports. Returns `cfg` narrowed to the seeds whose two arms have both finished; with
+    `--report-only` reports. Returns `cfg` narrowed to the seeds whose arms have all finished; with
     `ablations`, the cells with at least one finished run among those seeds."""
 
     def result(run_id: str) -> dict | None:
         path = cfg.work_dir / run_id / "result.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    arms = {arm: {s: result(f"{arm}-s{s}") for s in cfg.seeds} for arm in ("baseline", "rlep")}
-    seeds = [s for s in cfg.seeds if arms["baseline"][s] and arms["rlep"][s]]
+    names = {"baseline": "baseline", "rlep": "rlep", **({"rlep_equal": "rlep-equal"} if cfg.equal_updates_arm else {})}
+    arms = {arm: {s: result(f"{name}-s{s}") for s in cfg.seeds} for arm, name in names.items()}
+    seeds = [s for s in cfg.seeds if all(runs[s] for runs in arms.values())]
     if not seeds:
         raise SystemExit(f"no seed has both arms finished under {cfg.work_dir}")
     cfg = cfg.model_copy(update={"seeds": seeds})
@@ -374,8 +405,11 @@ def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig,
         **{arm: {s: runs[s] for s in seeds} for arm, runs in arms.items()},
         "pool": json.loads((cfg.work_dir / "pool-protocol-phase1.json").read_text()),
     }
-    runs = [*out["baseline"].values(), *out["rlep"].values()]
+    runs = [run for arm in arms for run in out[arm].values()]
     pools = [out["pool"]]
+    if (half := cfg.work_dir / "pool-protocol-phase1-half.json").exists():
+        out["pool_half"] = json.loads(half.read_text())
+        pools.append(out["pool_half"])
     if ablations:
         out["ablations"] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
         for name in ABLATIONS:

@@ -86,9 +86,57 @@ def eval_standard_error(cfg, accuracy: float) -> float:
     return math.sqrt(accuracy * (1 - accuracy) / cfg.eval_questions)
 
 
+def seconds_to(run: dict, step: int | None) -> float | None:
+    """Training seconds of `run` up to `step` (its step times summed; evaluations excluded), None if not reached."""
+    return None if step is None else sum(run["step_seconds"][:step])
+
+
+def costs(cfg, raw: dict, arm: str, per_seed: dict) -> dict:
+    """What the arm cost against the baseline, phase 1 included: the pool's price in baseline steps, training time to
+    the baseline's peak per seed, and how many runs reusing the pool pay for it (its price / the time saved per run)."""
+    first = raw["baseline"][cfg.seeds[0]]
+    base_step_s = statistics.mean(first["step_seconds"])
+    pool_s = sum(first["step_seconds"]) + raw["pool"]["seconds"]
+    saved = []
+    for seed, f in per_seed.items():
+        to_peak = seconds_to(raw["baseline"][seed], f["baseline_peak_step"])
+        arm_to_peak = seconds_to(raw[arm][seed], f["rlep_steps_to_baseline_peak"])
+        if arm_to_peak is not None:
+            saved.append(to_peak - arm_to_peak)
+    mean_saved = statistics.mean(saved) if saved else None
+    runs = (("baseline", "baseline"), ("arm", arm))
+    return {
+        "pool_seconds": pool_s,
+        "pool_in_baseline_steps": pool_s / base_step_s,
+        "phase1_steps": first["steps"],
+        "collection_seconds": raw["pool"]["seconds"],
+        "step_seconds": {
+            name: statistics.mean(x for s in cfg.seeds for x in raw[a][s]["step_seconds"]) for name, a in runs
+        },
+        "run_seconds": {name: statistics.mean(sum(raw[a][s]["step_seconds"]) for s in cfg.seeds) for name, a in runs},
+        "seconds_saved_to_baseline_peak": mean_saved,
+        "seeds_reaching_baseline_peak": len(saved),
+        # A single RLEP run never repays phase 1 (a whole baseline run); later runs on the same pool may.
+        "runs_to_break_even": None if not mean_saved or mean_saved <= 0 else math.ceil(pool_s / mean_saved),
+    }
+
+
+ARMS = {"rlep": "RLEP (M=2, verl's mini-batches)", "rlep_equal": "RLEP, as many updates as the baseline"}
+
+
 def report(cfg, raw: dict) -> dict:
     seeds = cfg.seeds
     per_seed = {s: run_figures(raw["baseline"][s], raw["rlep"][s]) for s in seeds}
+    arms = {}
+    for arm, label in ARMS.items():
+        if arm in raw:
+            figures = {s: run_figures(raw["baseline"][s], raw[arm][s]) for s in seeds}
+            arms[arm] = {
+                "label": label,
+                "per_seed": figures,
+                "paired": paired(list(figures.values())),
+                "costs": costs(cfg, raw, arm, figures),
+            }
     summary: dict[str, Any] = {
         "protocol": cfg.model_dump(mode="json"),
         "warmup": raw["warmup"],
@@ -99,11 +147,13 @@ def report(cfg, raw: dict) -> dict:
             cfg, statistics.mean(f["baseline_peak"] for f in per_seed.values())
         ),
         "wall_seconds": raw["wall_seconds"],
-        "runs": {"baseline": raw["baseline"], "rlep": raw["rlep"]},
+        "arms": arms,
+        "runs": {arm: raw[arm] for arm in ("baseline", *arms)},
     }
     if "ablations" in raw:
         summary["ablations"] = ablation_cells(raw, seeds[: cfg.ablation_seeds])
         summary["pool_other_rule"] = raw.get("pool_other_rule")
+        summary["pool_half"] = raw.get("pool_half")
     cfg.results.parent.mkdir(parents=True, exist_ok=True)
     cfg.results.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     plot(raw, seeds, cfg.results.with_suffix(".png"))
@@ -139,7 +189,9 @@ def plot(raw: dict, seeds: list[int], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for arm, label, color in (("baseline", "baseline (M=0)", "tab:blue"), ("rlep", "RLEP (replay)", "tab:orange")):
+    lines = (("baseline", "baseline (M=0)", "tab:blue"), ("rlep", "RLEP (replay)", "tab:orange"))
+    lines += (("rlep_equal", "RLEP, equal updates", "tab:green"),) if "rlep_equal" in raw else ()
+    for arm, label, color in lines:
         steps, mean, sd = mean_band([raw[arm][s] for s in seeds])
         ax.plot(steps, mean, marker="o", markersize=3, color=color, label=f"{label}, mean of {len(seeds)} seeds")
         ax.fill_between(
@@ -180,39 +232,8 @@ def _ci(row: dict, digits: int = 3) -> str:
 
 
 def print_tables(summary: dict, console: Console) -> None:
-    seeds = Table(title="per seed (held-out accuracy at T=1; RLEP runs as many steps as its seed's baseline)")
-    for column in (
-        "seed",
-        "baseline steps (plateau)",
-        "baseline peak (step)",
-        "RLEP reaches it at",
-        "ratio",
-        "RLEP peak (step)",
-        "final B / R",
-        "mean acc B / R",
-    ):
-        seeds.add_column(column, justify="right")
-    for seed, f in summary["per_seed"].items():
-        seeds.add_row(
-            str(seed),
-            f"{f['baseline_steps']} ({f['baseline_plateau_step'] or 'cap'})",
-            f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
-            "not reached" if f["rlep_steps_to_baseline_peak"] is None else str(f["rlep_steps_to_baseline_peak"]),
-            _fmt(f["steps_ratio"], 2),
-            f"{f['rlep_peak']:.3f} ({f['rlep_peak_step']})",
-            f"{f['baseline_final']:.3f} / {f['rlep_final']:.3f}",
-            f"{f['baseline_auc']:.3f} / {f['rlep_auc']:.3f}",
-        )
-    console.print(seeds)
-    table = Table(title="paired over seeds: RLEP - baseline, mean [bootstrap 95% CI] (* excludes 0)")
-    for column in ("figure", "baseline", "RLEP", "difference", "n"):
-        table.add_column(column, justify="right")
-    for label, row in summary["paired"].items():
-        if "reached" in row:
-            table.add_row(label, "", "", f"{row['reached']}/{row['seeds']}", "")
-        elif row.get("n"):
-            table.add_row(label, _fmt(row["baseline_mean"]), _fmt(row["rlep_mean"]), _ci(row), str(row["n"]))
-    console.print(table)
+    for arm in summary["arms"].values():
+        print_arm(arm, console)
     pool = summary["pool"]
     console.print(
         f"pool ({pool['rule']}, N={pool['samples_per_question']}): coverage {pool['coverage']:.1%} of training "
@@ -224,6 +245,59 @@ def print_tables(summary: dict, console: Console) -> None:
     )
     if "ablations" in summary:
         print_ablations(summary["ablations"], console)
+
+
+def print_arm(arm: dict, console: Console) -> None:
+    """One RLEP arm against the baseline: per seed, paired, and what it cost with phase 1."""
+    label = arm["label"]
+    seeds = Table(title=f"{label} vs baseline, per seed (held-out accuracy at T=1; as many steps as the baseline)")
+    for column in (
+        "seed",
+        "baseline steps (plateau)",
+        "baseline peak (step)",
+        "RLEP reaches it at",
+        "ratio",
+        "RLEP peak (step)",
+        "final B / R",
+        "mean acc B / R",
+    ):
+        seeds.add_column(column, justify="right")
+    for seed, f in arm["per_seed"].items():
+        seeds.add_row(
+            str(seed),
+            f"{f['baseline_steps']} ({f['baseline_plateau_step'] or 'cap'})",
+            f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
+            "not reached" if f["rlep_steps_to_baseline_peak"] is None else str(f["rlep_steps_to_baseline_peak"]),
+            _fmt(f["steps_ratio"], 2),
+            f"{f['rlep_peak']:.3f} ({f['rlep_peak_step']})",
+            f"{f['baseline_final']:.3f} / {f['rlep_final']:.3f}",
+            f"{f['baseline_auc']:.3f} / {f['rlep_auc']:.3f}",
+        )
+    console.print(seeds)
+    table = Table(title=f"paired over seeds: {label} - baseline, mean [bootstrap 95% CI] (* excludes 0)")
+    for column in ("figure", "baseline", "RLEP", "difference", "n"):
+        table.add_column(column, justify="right")
+    for name, row in arm["paired"].items():
+        if "reached" in row:
+            table.add_row(name, "", "", f"{row['reached']}/{row['seeds']}", "")
+        elif row.get("n"):
+            table.add_row(name, _fmt(row["baseline_mean"]), _fmt(row["rlep_mean"]), _ci(row), str(row["n"]))
+    console.print(table)
+    c = arm["costs"]
+    saved, runs = c["seconds_saved_to_baseline_peak"], c["runs_to_break_even"]
+    if saved is None:
+        saving = "no seed reached the baseline's peak, so no time is saved."
+    else:
+        repaid = f"after {runs} runs that reuse it." if runs else "never (no time saved)."
+        saving = (
+            f"training time to the baseline's peak saved per run: {saved:.0f} s "
+            f"({c['seeds_reaching_baseline_peak']} seeds); the pool pays for itself {repaid}"
+        )
+    console.print(
+        f"cost: the pool took {c['pool_seconds'] / 60:.1f} min = {c['pool_in_baseline_steps']:.0f} baseline steps "
+        f"(phase 1: {c['phase1_steps']} steps, collection {c['collection_seconds']:.0f} s); step time "
+        f"{c['step_seconds']['baseline']:.2f} s baseline / {c['step_seconds']['arm']:.2f} s; {saving}"
+    )
 
 
 def print_ablations(cells: dict, console: Console) -> None:

@@ -3,7 +3,7 @@ candidates' settings (a full pilot run is a benchmark: ~25 min)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -14,12 +14,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def pilots():
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS))  # it imports rlep_protocol as a top-level module
     try:
-        spec = importlib.util.spec_from_file_location("task_pilots", BENCHMARKS / "task_pilots.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield importlib.import_module("task_pilots")
     finally:
         sys.path.remove(str(BENCHMARKS))
 

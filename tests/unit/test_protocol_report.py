@@ -1,0 +1,60 @@
+"""benchmarks/rlep_protocol.py and its report, pure parts: where the half-trained pool comes from, and what an RLEP
+arm costs once phase 1 is counted (issue 29: a user deciding whether to run it asks when it breaks even)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def protocol():
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import each other as top-level modules
+    try:
+        yield importlib.import_module("rlep_protocol"), importlib.import_module("rlep_protocol_report")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_the_half_trained_pool_comes_from_the_evaluation_at_half_the_first_baseline(protocol, tmp_path):
+    run, _ = protocol
+    cfg = run.ProtocolConfig(seeds=[3, 4], eval_every=20, work_dir=tmp_path)
+    assert run.half_checkpoint(cfg, 180) == tmp_path / "baseline-s3" / "step_80" / "hf"
+    assert run.half_checkpoint(cfg, 20) == tmp_path / "baseline-s3" / "step_20" / "hf"  # never before the first
+    first = run.run_config(cfg, "baseline-s3", 3, 600, tmp_path, "p", {}).checkpoint
+    other = run.run_config(cfg, "baseline-s4", 4, 600, tmp_path, "p", {}).checkpoint
+    assert (first.every_steps, first.keep_last) == (20, 30)  # a checkpoint at every evaluation
+    assert (other.every_steps, other.keep_last) == (600, 1)
+
+
+def test_the_equal_updates_arm_sizes_mini_batches_over_all_rows(protocol, tmp_path):
+    run, _ = protocol
+    cfg = run.ProtocolConfig(work_dir=tmp_path)
+    extra = {"algorithm": {"mini_batch_rows": "all"}}
+    algo = run.run_config(cfg, "rlep-equal-s0", 0, 100, tmp_path, "p", extra).algorithm
+    assert algo.mini_batch_size == cfg.mini_batch_questions * (cfg.fresh_per_question + cfg.replayed_per_question)
+
+
+def test_costs_count_phase_1_and_the_runs_it_takes_to_pay_for_the_pool(protocol, tmp_path):
+    run, report = protocol
+    cfg = run.ProtocolConfig(seeds=[0, 1], work_dir=tmp_path)
+    curve = [[0, 0.1], [2, 0.5], [4, 0.4]]
+    baseline = {s: {"steps": 4, "curve": curve, "plateau_step": 4, "step_seconds": [10.0] * 4} for s in (0, 1)}
+    rlep = {s: {"steps": 4, "curve": [[0, 0.1], [1, 0.5], [4, 0.6]], "step_seconds": [12.0] * 4} for s in (0, 1)}
+    raw = {"baseline": baseline, "rlep": rlep, "pool": {"seconds": 20.0}}
+    figures = {s: {"baseline_peak_step": 2, "rlep_steps_to_baseline_peak": 1} for s in (0, 1)}
+    costs = report.costs(cfg, raw, "rlep", figures)
+    assert costs["pool_seconds"] == 60.0 and costs["pool_in_baseline_steps"] == 6.0  # 40 s of phase 1 + 20 s
+    assert costs["seconds_saved_to_baseline_peak"] == 8.0  # 20 s for the baseline, 12 s for RLEP
+    assert costs["runs_to_break_even"] == 8  # ceil(60 / 8)
+    assert costs["step_seconds"] == {"baseline": 10.0, "arm": 12.0}
+
+    slower = {s: {"baseline_peak_step": 2, "rlep_steps_to_baseline_peak": 2} for s in (0, 1)}  # 24 s > 20 s
+    assert report.costs(cfg, raw, "rlep", slower)["runs_to_break_even"] is None
+    never = {s: {"baseline_peak_step": 2, "rlep_steps_to_baseline_peak": None} for s in (0, 1)}
+    assert report.costs(cfg, raw, "rlep", never)["seconds_saved_to_baseline_peak"] is None
