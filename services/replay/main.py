@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import redis
 
+from rlep.common.config import redact_secrets
 from rlep.common.lifecycle import RunningService, serve_until_signal, start_service
 from rlep.common.metrics import service_registry
 from rlep.common.redis_server import LocalRedis, start_local_redis
@@ -57,7 +58,8 @@ def start_replay(config: ReplayConfig) -> RunningReplay:
 
 def serve_forever(config: ReplayConfig) -> None:
     running = start_replay(config)
-    where = running.local_redis.url if running.local_redis else "configured Redis"
+    # The embedded Redis's URL carries its password: the banner shows where it is, never the secret.
+    where = redact_secrets(running.local_redis.url) if running.local_redis else "configured Redis"
     serve_until_signal(
         running, f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}"
     )

@@ -30,7 +30,8 @@ from enum import StrEnum
 
 import numpy as np
 
-POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# Matched whole (`fullmatch`): `$` alone lets a trailing newline through ("base\n" would be a pool of its own).
+POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_QUESTION_ID_CHARS = 256
 
 
@@ -47,7 +48,7 @@ class Eviction(StrEnum):
 
 
 def check_pool_name(pool: str) -> None:
-    if not POOL_NAME.match(pool):
+    if not POOL_NAME.fullmatch(pool):
         raise ValueError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
 
 

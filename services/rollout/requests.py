@@ -40,7 +40,7 @@ from rlep.services.weights.staging import WORKER_PREFIX, staged_file
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 CHAT_ROLES = ("system", "user", "assistant")
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # matched whole (fullmatch): `$` would let a trailing newline through
 DIGEST_NAMES = {enum: name for name, enum in DIGEST_ALGORITHMS.items()}
 # A payload is the tensors plus a JSON header; the header of a big model stays well under this.
 HEADER_SLACK_BYTES = 16 * 1024 * 1024
@@ -142,7 +142,7 @@ class PromptEncoder:
 def digest_problem(header: rollout_pb2.WeightHeader) -> str | None:
     """Why a header's digest fields are refused, or None."""
     if header.digest_algorithm == rollout_pb2.DIGEST_ALGORITHM_UNSPECIFIED:
-        if not SHA256_HEX.match(header.sha256):  # an older client's header: sha256 only
+        if not SHA256_HEX.fullmatch(header.sha256):  # an older client's header: sha256 only
             return "header.sha256 must be 64 lowercase hex digits (or set digest_algorithm and digest)"
         return None
     if header.digest_algorithm not in DIGEST_NAMES:

@@ -86,3 +86,7 @@ def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert (tmp_path / "redis" / "appendonlydir").exists() or list((tmp_path / "redis").glob("*.aof"))
+    # The banner names the embedded Redis without its password (kept in a 0600 file beside its data).
+    password = (tmp_path / "redis" / "redis.password").read_text().strip()
+    assert "replay listening" in output and "redis=redis://:***@127.0.0.1:" in output
+    assert password not in output

@@ -64,8 +64,9 @@ def test_length_bucket(tokens, label):
 
 def test_pool_names_and_question_ids():
     check_pool_name("run-1.phase_2")
-    with pytest.raises(ValueError, match="must match"):
-        check_pool_name("a b")
+    for bad in ("a b", "base\n", "\nbase", "", "x" * 129):
+        with pytest.raises(ValueError, match="must match"):
+            check_pool_name(bad)
     prompt = [{"role": "user", "content": "What is 1+1?"}]
     assert question_id(prompt) == question_id([dict(prompt[0])])
     assert question_id(prompt) != question_id([{"role": "user", "content": "What is 1+2?"}])
