@@ -13,8 +13,11 @@ question with all its stored successes as candidates, which the reference verl r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,13 +30,74 @@ ROW_BATCH = 256
 CANDIDATE_VERSION = 0  # imported successes predate any policy version of this system
 
 
+REQUIRED = {"prompt": None, "reward_model": ("ground_truth", "candidates")}
+EXPECTED = "a pool file has `prompt` and `reward_model.{ground_truth, candidates}`, as `rlep pool export` writes"
+
+
+class PoolFileError(ValueError):
+    """A file that is not a pool file: nothing of it is imported."""
+
+
+@dataclass(frozen=True)
+class PoolFileCheck:
+    rows: int
+    refused: Counter = field(default_factory=Counter)
+    """Rows that cannot be imported, by reason (empty prompt, no ground truth, no candidates)."""
+
+    @property
+    def importable(self) -> int:
+        return self.rows - sum(self.refused.values())
+
+    def describe_refused(self) -> str:
+        return ", ".join(f"{count} with {reason}" for reason, count in sorted(self.refused.items()))
+
+
+def row_problem(row: Mapping[str, Any]) -> str | None:
+    """Why a pool file's row cannot be imported, or None."""
+    prompt = verl_prompt(row)
+    if not prompt or not all(isinstance(m, dict) and m.get("role") and m.get("content") for m in prompt):
+        return "an empty prompt"
+    reward_model = row.get("reward_model") or {}
+    if not str(reward_model.get("ground_truth") or "").strip():
+        return "no ground truth"
+    if not any(reward_model.get("candidates") or []):
+        return "no candidates"
+    return None
+
+
+def check_pool_file(path: Path) -> PoolFileCheck:
+    """Checks `path` against the pool schema and every row, before anything is sent: PoolFileError naming what is
+    missing when the columns are wrong; else the rows and the ones to refuse."""
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as err:
+        raise PoolFileError(f"{path} is not a parquet file ({err}); {EXPECTED}") from err
+    for column, fields in REQUIRED.items():
+        if column not in schema.names:
+            raise PoolFileError(f"{path} has no `{column}` column (it has {', '.join(schema.names)}); {EXPECTED}")
+        kind = schema.field(column).type
+        if fields and not (pa.types.is_struct(kind) and all(kind.get_field_index(f) >= 0 for f in fields)):
+            have = ", ".join(kind.field(i).name for i in range(kind.num_fields)) if pa.types.is_struct(kind) else kind
+            raise PoolFileError(
+                f"{path}: `{column}` has {have}, not {', '.join(fields)}; {EXPECTED} (a training parquet has no "
+                "candidates; import it with `rlep train`, or collect a pool with `rlep collect`)"
+            )
+    parquet = pq.ParquetFile(path)
+    refused: Counter = Counter()
+    for batch in parquet.iter_batches(batch_size=ROW_BATCH, columns=list(REQUIRED)):
+        refused.update(problem for row in batch.to_pylist() if (problem := row_problem(row)))
+    return PoolFileCheck(parquet.metadata.num_rows, refused)
+
+
 def read_pool_rows(path: Path, pool: str, batch_rows: int = ROW_BATCH) -> Iterator[replay_pb2.PoolChunk]:
-    """Yields import chunks of `batch_rows` rows; rows without candidates only register their question."""
+    """Yields import chunks of `batch_rows` rows; rows `row_problem` refuses are left out (`check_pool_file` first)."""
     parquet = pq.ParquetFile(path)
     run_id = f"import:{Path(path).name}"
     for batch in parquet.iter_batches(batch_size=batch_rows):
         chunk = replay_pb2.PoolChunk(pool=pool)
         for row in batch.to_pylist():
+            if row_problem(row):
+                continue
             prompt = verl_prompt(row)
             source = row.get("data_source") or ""
             reward_model = row.get("reward_model") or {}

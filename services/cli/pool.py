@@ -101,19 +101,19 @@ def import_pool(
     auth_token_file: TokenOpt = None,
 ) -> None:
     """Load RLEP's released pool format (reward_model.candidates) as successes; re-running an interrupted import
-    completes it (chunks are applied one by one, and adds are idempotent)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    completes it (chunks are applied one by one, and adds are idempotent). The file is checked first: a wrong schema,
+    or no importable row, imports nothing and creates no pool."""
     from rich.progress import Progress
 
-    from rlep.common.pool_parquet import ROW_BATCH, read_pool_rows
+    from rlep.common.pool_parquet import ROW_BATCH, PoolFileError, check_pool_file, read_pool_rows
 
     try:
-        rows = pq.ParquetFile(path).metadata.num_rows
-    except (pa.ArrowException, OSError) as err:
-        raise UserError(
-            f"{path} is not a parquet file ({err}); give a pool parquet, as `rlep pool export` writes"
-        ) from err
+        check = check_pool_file(path)
+    except PoolFileError as err:
+        raise UserError(str(err)) from err
+    if check.importable == 0:
+        raise UserError(f"{path}: nothing to import: all {check.rows} rows refused ({check.describe_refused()})")
+    rows = check.rows
     # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
     hint = "\nthe chunks sent before the error are stored; run the same import again to complete it"
     with _rpc_errors_exit(address, hint), Progress() as progress, _client(address, auth_token_file) as client:
@@ -125,8 +125,10 @@ def import_pool(
                 progress.advance(task, min(ROW_BATCH, len(chunk.questions)))
 
         reply = client.import_chunks(chunks())
+    refused = f"; {sum(check.refused.values())} rows refused ({check.describe_refused()})" if check.refused else ""
     typer.echo(
         f"{pool}: added {reply.added}, duplicate {reply.duplicate}, rejected {reply.rejected}, evicted {reply.evicted}"
+        + refused
     )
 
 

@@ -90,3 +90,60 @@ def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
     password = (tmp_path / "redis" / "redis.password").read_text().strip()
     assert "replay listening" in output and "redis=redis://:***@127.0.0.1:" in output
     assert password not in output
+
+
+def _wrong_files(tmp_path) -> dict[str, tuple[str, str]]:
+    """Pool files in a wrong schema (issue 31): file -> (what the error must name, why)."""
+    rows = make_pool_parquet(tmp_path / "good.parquet")
+    renamed = [{("problem" if k == "prompt" else k): v for k, v in row.items()} for row in rows]
+    pq.write_table(pa.Table.from_pylist(renamed), tmp_path / "problem-column.parquet")
+    top_level = [
+        {**row, "candidates": row["reward_model"]["candidates"], "reward_model": {"ground_truth": "1", "style": "r"}}
+        for row in rows
+    ]
+    pq.write_table(pa.Table.from_pylist(top_level), tmp_path / "top-level-candidates.parquet")
+    plain = pq.read_table(TEST_DATA / "dapo_math_17k.parquet").slice(0, 10)
+    pq.write_table(plain, tmp_path / "training.parquet")
+    empty = [{**row, "reward_model": {**row["reward_model"], "candidates": []}} for row in rows[:5]]
+    empty += [{**row, "prompt": []} for row in rows[5:8]]
+    pq.write_table(pa.Table.from_pylist(empty), tmp_path / "no-usable-row.parquet")
+    return {
+        "problem-column.parquet": ("no `prompt` column", "the prompt column is named `problem`"),
+        "top-level-candidates.parquet": ("`reward_model` has ground_truth, style", "candidates outside reward_model"),
+        "training.parquet": ("not ground_truth, candidates", "a training parquet"),
+        "no-usable-row.parquet": ("all 8 rows refused (3 with an empty prompt, 5 with no candidates)", "no usable row"),
+    }
+
+
+def test_a_wrong_pool_file_imports_nothing_and_creates_no_pool(tmp_path):
+    """Before the check, a renamed prompt column merged 40 questions under one id and evicted real answers, and a
+    training parquet left an empty pool behind, both with exit 0."""
+    cases = _wrong_files(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={tmp_path / 'redis'}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(port)
+        for name, (named, why) in cases.items():
+            result = run("pool", "import", str(tmp_path / name), "--pool", "target", "-a", address, check=False)
+            assert result.returncode != 0, f"{why}: {result.stdout}"
+            assert named in result.stderr and "Traceback" not in result.stderr, (why, result.stderr)
+        with ReplayClient(address) as client:
+            assert "target" not in client.list_pools()
+
+        mixed = make_pool_parquet(tmp_path / "mixed.parquet")
+        mixed[0]["reward_model"]["candidates"], mixed[1]["prompt"] = [], []
+        pq.write_table(pa.Table.from_pylist(mixed), tmp_path / "mixed.parquet")
+        result = run("pool", "import", str(tmp_path / "mixed.parquet"), "--pool", "target", "-a", address)
+        candidates = sum(len(r["reward_model"]["candidates"]) for r in mixed[2:])
+        assert f"added {candidates}," in result.stdout
+        assert "2 rows refused (1 with an empty prompt, 1 with no candidates)" in result.stdout
+        with ReplayClient(address) as client:
+            assert client.stats("target").questions == len(mixed) - 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)

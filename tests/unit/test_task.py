@@ -90,8 +90,10 @@ def test_parquet_has_the_verl_schema_and_imports_as_replay_questions(tmp_path):
         assert row["reward_model"] == {"ground_truth": problem.answer, "style": "rule"}
         assert row["data_source"] == DATA_SOURCE
         assert row["extra_info"] == {"index": i, "split": "eval"}
-    chunks = list(read_pool_rows(path, pool="demo"))
-    questions = [q for chunk in chunks for q in chunk.questions]
+    # A training file has no candidates: nothing in it is a pool row. With candidates, every row is one question.
+    assert [q for chunk in read_pool_rows(path, pool="demo") for q in chunk.questions] == []
+    pool_file = write_parquet(problems, tmp_path / "data" / "pool.parquet", with_candidates=True)
+    questions = [q for chunk in read_pool_rows(pool_file, pool="demo") for q in chunk.questions]
     assert [q.question_id for q in questions] == [question_id(problem_messages(p)) for p in problems]
     assert [q.ground_truth for q in questions] == [p.answer for p in problems]
 
