@@ -82,6 +82,7 @@ class RolloutConfig(StrictModel):
     """Where streamed weight payloads are assembled before loading. Payload files there (and in the default
     staging directory) whose maker died are removed when a worker starts (services/weights/staging.py)."""
     shared_dirs: list[str] = Field(default_factory=lambda: [default_staging_dir(), tempfile.gettempdir()])
-    """Directories a `shared_file` push may name (anything else is refused)."""
+    """Directories a `shared_file` push may name a payload in (`rlep-push-*.safetensors` directly inside; anything
+    else is refused)."""
     replica_id: str | None = None
     """Shown in GetStatus; default host:pid."""

@@ -35,7 +35,7 @@ from rlep.services.weights.payload import (
     new_hasher,
     read_header,
 )
-from rlep.services.weights.staging import WORKER_PREFIX, staged_file
+from rlep.services.weights.staging import PUSH_PREFIX, WORKER_PREFIX, staged_file
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
@@ -167,7 +167,7 @@ class WeightIntake:
 
     A streamed payload is staged in a locked file (services/weights/staging.py) and hashed on arrival
     (the header's `digest_algorithm`; an older client's `sha256` is still checked);
-    a shared file must lie under one of `shared_dirs`; a broadcast push is checked by its manifest.
+    a shared file must be a push payload directly in one of `shared_dirs`; a broadcast push is checked by its manifest.
     """
 
     def __init__(self, model_path: str | Path, staging_dir: str | Path, shared_dirs: Sequence[str | Path]):
@@ -225,14 +225,17 @@ class WeightIntake:
         return staged, digest.hexdigest()
 
     def _shared_file(self, name: str, total_bytes: int) -> Path:
+        """The push payload `name` names. Only a sender's payload file qualifies (`rlep-push-*.safetensors` directly
+        in a shared folder, links resolved), and every refusal reads the same: a caller learns nothing of other
+        files (whether a path exists, or its size)."""
         path = Path(name).resolve()
         allowed = [Path(d).resolve() for d in self._shared_dirs]
-        if not any(path.is_relative_to(d) for d in allowed):
-            raise WeightError(f"shared_file must be under one of {[str(d) for d in allowed]}")
-        if not path.is_file():
-            raise WeightError(f"shared_file {name} does not exist on this host")
-        if path.stat().st_size != total_bytes:
-            raise WeightError(f"shared_file holds {path.stat().st_size} bytes, header.total_bytes says {total_bytes}")
+        is_payload = path.parent in allowed and path.name.startswith(PUSH_PREFIX) and path.suffix == ".safetensors"
+        if not (is_payload and path.is_file() and path.stat().st_size == total_bytes):
+            raise WeightError(
+                f"shared_file must name a payload file of header.total_bytes bytes, {PUSH_PREFIX}*.safetensors "
+                f"directly in one of {[str(d) for d in allowed]}"
+            )
         return path
 
     def broadcast_entries(

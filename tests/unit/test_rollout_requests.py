@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,21 +103,39 @@ def test_a_payload_that_does_not_fit_the_model_is_refused(intake):
         intake.receive(data_chunks(payload), header_for(payload), staging)
 
 
-def test_shared_files_must_sit_in_a_shared_dir(intake, tmp_path):
+def test_shared_files_must_be_payloads_in_a_shared_dir(intake, tmp_path):
     payload = to_payload(STATE)
-    inside, outside = tmp_path / "shared" / "w.safetensors", tmp_path / "w.safetensors"
-    for path in (inside, outside):
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir()
+    inside = shared / "rlep-push-1-a-b.safetensors"
+    outside, nested, unnamed = tmp_path / inside.name, shared / "sub" / inside.name, shared / "w.safetensors"
+    link = shared / "rlep-push-link.safetensors"
+    secret = tmp_path / "secret.safetensors"
+    for path in (inside, outside, nested, unnamed, secret):
         path.write_bytes(payload)
+    link.symlink_to(secret)
     header = header_for(payload)
     with ExitStack() as staging:
-        chunk = iter([rollout_pb2.WeightChunk(shared_file=str(inside))])
-        assert intake.receive(chunk, header, staging) == inside.resolve()
-        with pytest.raises(WeightError, match="shared_file must be under one of"):
-            intake.receive(iter([rollout_pb2.WeightChunk(shared_file=str(outside))]), header, staging)
+        assert intake.receive(iter([rollout_pb2.WeightChunk(shared_file=str(inside))]), header, staging) == inside
+        # Outside, nested, not a payload's name, a link out, missing, or the wrong size: one answer for all, so a
+        # caller cannot probe the worker's files (which paths exist, and how large they are).
+        wrong_size = rollout_pb2.WeightHeader(**{**_fields(header), "total_bytes": len(payload) + 1})
+        refusals = [(p, header) for p in (outside, nested, unnamed, link, shared / "rlep-push-none.safetensors")]
+        refusals += [(inside, wrong_size), (Path("/etc/passwd"), header)]
+        messages = set()
+        for path, head in refusals:
+            with pytest.raises(WeightError) as info:
+                intake.receive(iter([rollout_pb2.WeightChunk(shared_file=str(path))]), head, staging)
+            messages.add(str(info.value))
+        assert len(messages) == 1 and "rlep-push-*.safetensors directly in one of" in messages.pop()
         follow = iter([rollout_pb2.WeightChunk(shared_file=str(inside)), rollout_pb2.WeightChunk(data=b"x")])
         with pytest.raises(WeightError, match="nothing may follow a shared_file chunk"):
             intake.receive(follow, header, staging)
     assert inside.exists()  # the sender's file stays
+
+
+def _fields(message) -> dict:
+    return {field.name: value for field, value in message.ListFields()}
 
 
 def test_implausible_headers_are_named(intake):
@@ -181,7 +200,7 @@ def test_a_payload_with_one_flipped_byte_is_refused(intake, tmp_path, make_heade
     corrupted[len(payload) - 5] ^= 0x01  # inside the last tensor's data: the header still parses and fits
     for body, fine in ((payload, True), (bytes(corrupted), False)):
         if kind == "shared_file":
-            path = tmp_path / "shared" / "w.safetensors"
+            path = tmp_path / "shared" / "rlep-push-1-a-b.safetensors"
             path.write_bytes(body)
             chunks = iter([rollout_pb2.WeightChunk(shared_file=str(path))])
         else:
