@@ -22,6 +22,10 @@ def _xxh3_128():
 HASHERS: dict[str, Callable] = {"sha256": hashlib.sha256, "xxh3_128": _xxh3_128}
 
 
+class TokenFileError(ValueError):
+    """A token file that is missing, unreadable or empty: the user's mistake (the CLI reports it in one line)."""
+
+
 def read_token_file(path: Path | None) -> str | None:
     """The bearer token in `path` (one line, surrounding whitespace ignored), or None without a file.
 
@@ -29,9 +33,12 @@ def read_token_file(path: Path | None) -> str | None:
     """
     if path is None:
         return None
-    token = Path(path).read_text().strip()
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise TokenFileError(f"auth token file {path}: {(err.strerror or str(err)).lower()}") from err
     if not token:
-        raise ValueError(f"auth token file {path} is empty")
+        raise TokenFileError(f"auth token file {path} is empty")
     return token
 
 

@@ -32,14 +32,17 @@ class RlepGroup(TyperGroup):
     """The `rlep` group: a `UserError` raised by any command becomes `error: <message>` and exit code 2."""
 
     def invoke(self, ctx: Any) -> Any:
+        from rlep.common.files import TokenFileError
+
         try:
             return super().invoke(ctx)
-        except UserError as err:
+        except (UserError, TokenFileError) as err:  # a token file is read wherever a config names it
             if ctx.meta.get("rlep.verbose"):
                 traceback.print_exc()
             from rich.console import Console
 
-            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {err}", markup=True, soft_wrap=True)
+            message = f"{err}; pass a file holding the token" if isinstance(err, TokenFileError) else str(err)
+            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
             raise typer.Exit(USER_ERROR_EXIT_CODE) from None
 
 
@@ -89,16 +92,12 @@ def reaching(service: str, address: str, fix: str) -> Iterator[None]:
 
 def read_token(path: Any) -> str | None:
     """The token in `path` (None without one); a missing, unreadable or empty file is a `UserError`."""
-    from rlep.common.files import read_token_file
+    from rlep.common.files import TokenFileError, read_token_file
 
     try:
         return read_token_file(path)
-    except (OSError, ValueError) as err:
-        raise UserError(f"auth token file {path}: {_os_reason(err)}; pass a file holding the token") from err
-
-
-def _os_reason(err: Exception) -> str:
-    return err.strerror.lower() if isinstance(err, OSError) and err.strerror else str(err)
+    except TokenFileError as err:
+        raise UserError(f"{err}; pass a file holding the token") from err
 
 
 def config_error(err: ValueError, config_class: type) -> UserError:

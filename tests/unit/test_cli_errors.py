@@ -64,6 +64,9 @@ def test_empty_auth_token_file_is_named(tmp_path):
     empty = tmp_path / "token"
     empty.write_text("\n")
     refused(["pool", "list", "--auth-token-file", str(empty), "-a", f"127.0.0.1:{free_port()}"], str(empty), "empty")
+    # A service reads it when it builds its server: that was a traceback (issue 31, item 9).
+    text = refused(["serve", "verifier", "--auth-token-file", str(empty), "--port", "0"], str(empty), "is empty")
+    assert text.count(str(empty)) == 1
 
 
 def test_train_refuses_a_model_path_that_does_not_exist_before_starting_anything():
