@@ -113,6 +113,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
             return f"tokenizer_fingerprint longer than {MAX_FINGERPRINT_CHARS} characters"
         if traj.behavior_logprobs and len(traj.behavior_logprobs) != len(traj.response_token_ids):
             return "behavior_logprobs and response_token_ids differ in length"
+        if not all(map(math.isfinite, traj.behavior_logprobs)):  # a NaN would reach the learner's IS weights
+            return "behavior_logprobs must be finite"
         if traj.ByteSize() > self.config.max_trajectory_bytes:
             return f"oversize: {traj.ByteSize()} bytes > {self.config.max_trajectory_bytes}"
         return None

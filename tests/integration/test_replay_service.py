@@ -209,14 +209,26 @@ def test_bad_trajectories_are_rejected_with_reasons(replay_client, pool_name, re
             behavior_logprobs=[-0.1],
         ),
         trajectory_pb2.Trajectory(question_id="q" * 300, response_text="w", verdict=trajectory_pb2.CORRECT),
+        *(
+            trajectory_pb2.Trajectory(
+                question_id="q",
+                response_text=f"v{value}",
+                verdict=trajectory_pb2.CORRECT,
+                response_token_ids=[1, 2],
+                behavior_logprobs=[-0.1, value],
+            )
+            for value in (float("nan"), float("-inf"))
+        ),
     ]
     reply = replay_client.stub.AddTrajectories(
         replay_pb2.AddTrajectoriesRequest(pool=pool_name, trajectories=[good, *cases]), timeout=10
     )
-    assert (reply.added, reply.rejected) == (1, 5)
+    assert (reply.added, reply.rejected) == (1, 7)
     reasons = [r.reason for r in reply.rejections]
-    for phrase in ("missing question_id", "missing response_text", "oversize", "differ in length", "longer than"):
+    phrases = ("missing question_id", "missing response_text", "oversize", "differ in length", "longer than")
+    for phrase in phrases:
         assert any(phrase in r for r in reasons), phrase
+    assert sum("behavior_logprobs must be finite" in r for r in reasons) == 2
 
 
 def test_non_utf8_is_invalid_argument(replay, auth_token_file):
