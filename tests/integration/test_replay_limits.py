@@ -200,3 +200,26 @@ def test_sampling_stops_when_the_deadline_passes(limited):
         time.sleep(0.01)
     assert sum(c._value.get() for c in stopped) == 1
     assert store.draws == 1  # not the other 19 questions
+
+
+def _script_calls(client) -> int:
+    stats = client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
+def test_a_huge_add_for_one_question_runs_in_bounded_script_calls_with_the_same_outcome(limited):
+    """20,000 rows for one question were one Lua call holding Redis (every other client) for 1-5 s (issue 31)."""
+    from rlep.services.replay.store import ADD_CHUNK_ROWS
+
+    running, stub, pool = limited
+    rows = [traj("q", i) for i in range(20_000)]
+    before = _script_calls(running.store.client)
+    reply = add(stub, pool, rows, questions=[replay_pb2.Question(question_id="q", ground_truth="1")])
+    calls = _script_calls(running.store.client) - before
+    capacity = running.store.capacity
+    assert (reply.added, reply.duplicate, reply.evicted) == (20_000, 0, 20_000 - capacity)
+    assert calls >= 20_001 // ADD_CHUNK_ROWS, f"{calls} script calls for 20,001 rows"
+    # Eviction ran row by row as before: the newest `capacity` answers are the ones kept.
+    kept = stub.Sample(replay_pb2.SampleRequest(pool=pool, question_ids=["q"], m=capacity), timeout=30)
+    texts = {t.response_text for t in kept.samples[0].trajectories}
+    assert texts == {rows[i].response_text for i in range(20_000 - capacity, 20_000)}
