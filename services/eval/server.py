@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlep.common.auth import check_bearer
+from rlep.common.strict_json import strict_json_problem
 from rlep.services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
 from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.scoring import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
@@ -169,6 +170,9 @@ def _add_service_routes(
             )
         elif length is None and "transfer-encoding" in request.headers:
             response = JSONResponse({"detail": "send the body with a Content-Length"}, status_code=411)
+        elif length not in (None, "0") and (problem := strict_json_problem(await request.body())):
+            # NaN, Infinity, 1e400 or a lone surrogate parse in Python but cannot be echoed back: refused first.
+            response = JSONResponse({"detail": problem}, status_code=422)
         else:
             response = await call_next(request)
         route = request.scope.get("route")  # the template (/v1/evaluations/{job_id}) keeps label values few

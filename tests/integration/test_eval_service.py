@@ -160,6 +160,30 @@ def test_bad_submissions_get_422_with_the_reason(eval_service, auth_token_file, 
     assert response.status_code == code and reason in response.text, response.text
 
 
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [
+        ("temperature", b"NaN"),
+        ("temperature", b"Infinity"),
+        ("top_p", b"-Infinity"),
+        ("temperature", b"1e400"),
+        ("model", b'"\\ud800"'),
+        ("model", b'"cur\\udfffrent"'),
+    ],
+)
+def test_json_that_is_not_strict_gets_422_not_500(eval_service, auth_token_file, field, literal):
+    """Python's parser takes these; echoing them back in the reply failed (500 with a traceback) (issue 31)."""
+    headers = {"Authorization": f"Bearer {auth_token_file.read_text().strip()}", "content-type": "application/json"}
+    body = b'{"model": "current", "datasets": [{"name": "amc23"}], "max_tokens": 32, "%s": %s}'
+    if field == "model":
+        body = b'{"model": %s, "datasets": [{"name": "amc23"}], "max_tokens": 32}' % literal
+    else:
+        body = body % (field.encode(), literal)
+    response = httpx.post(f"{eval_service.url}/v1/evaluations", content=body, headers=headers)
+    assert response.status_code == 422 and "not strict JSON" in response.json()["detail"], response.text
+    assert httpx.get(f"{eval_service.url}/healthz").status_code == 200
+
+
 def test_auth_malformed_bodies_and_unknown_jobs(eval_service, eval_client, auth_token_file):
     url = eval_service.url
     headers = {"Authorization": f"Bearer {auth_token_file.read_text().strip()}"}
