@@ -174,6 +174,8 @@ class LocalRedis:
     data_dir: Path
     password: str
     lock: IO[str] | None = None
+    appendfsync: str = "always"
+    extra_args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -246,7 +248,7 @@ def start_local_redis(
         lock.close()
         raise
     (data_dir / PID_FILE).write_text(f"{process.pid}\n")
-    server = LocalRedis(process, port, data_dir, password, lock)
+    server = LocalRedis(process, port, data_dir, password, lock, appendfsync, tuple(extra_args))
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
     client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
     while True:
