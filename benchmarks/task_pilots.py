@@ -35,6 +35,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "sum4-16-w200": {"terms": 4, "max_value": 16, "warmup_steps": 200},
     "sum5-20": {"terms": 5, "max_value": 20, "warmup_steps": 600, "max_response_tokens": 64},
     "sum3-50": {"terms": 3, "max_value": 50, "warmup_steps": 600},
+    "sum5-20-w300": {"terms": 5, "max_value": 20, "warmup_steps": 300, "max_response_tokens": 64},
+    "sum4-20-w400": {"terms": 4, "max_value": 20, "warmup_steps": 400},
 }
 # What every pilot shares: one seed, a cheaper evaluation (500 questions: SE <= 0.022), the issue's plateau rule
 # (no new best beyond ~1 SE over 5 evaluations), and a cap far beyond the protocol baselines' 60-200 steps.

@@ -75,8 +75,27 @@ class ServerConfig(TlsFiles):
     """Port of the Prometheus /metrics endpoint (same host); None disables it, 0 picks a free one."""
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """Largest request accepted; larger ones get INVALID_ARGUMENT."""
-    grpc_threads: int = Field(16, ge=1, le=1024)
+    grpc_threads: int = Field(16, ge=2, le=1024)
     """Threads handling RPCs concurrently."""
+    max_streams_per_method: int | None = Field(None, ge=1)
+    """Request streams (ImportPool, UpdateWeights) of one method served at once; more get RESOURCE_EXHAUSTED, so
+    streams never take the threads the health check and other calls need (rlep_common/stream_guard.py).
+    None = a quarter of `grpc_threads` (4 of 16)."""
+    stream_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """A request stream whose client sends nothing for this long while the server waits for it is cancelled."""
+
+    @property
+    def stream_slots(self) -> int:
+        return self.max_streams_per_method or max(1, self.grpc_threads // 4)
+
+    @model_validator(mode="after")
+    def _streams_leave_threads(self) -> ServerConfig:
+        if self.stream_slots >= self.grpc_threads:
+            raise ValueError(
+                f"max_streams_per_method ({self.stream_slots}) must stay below grpc_threads "
+                f"({self.grpc_threads}): streams would take every thread"
+            )
+        return self
 
     @model_validator(mode="after")
     def _token_file_exists(self) -> ServerConfig:

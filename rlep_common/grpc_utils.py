@@ -190,8 +190,12 @@ def build_server(
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Creates, binds and starts a server; `interceptors` run after the auth check.
     Returns `(server, bound_port, health_servicer)`."""
+    from rlep.common.stream_guard import StreamGuardInterceptor
+
     token = config.read_auth_token()
-    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors]
+    # Outermost first: auth, then the caller's (counting sees the guard's RESOURCE_EXHAUSTED), then the stream guard.
+    guard = StreamGuardInterceptor(config.stream_slots, config.stream_idle_timeout_s)
+    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors, guard]
     limit = config.max_request_bytes * CHANNEL_LIMIT_FACTOR
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),
