@@ -42,10 +42,27 @@ class VerifierConfig(StrictModel):
     parse_cache_size: int = Field(4096, ge=0, le=1_000_000)
     """Parsed gold answers, and as many parsed extracted answers, kept in each worker (LRU; 0 = none). Items
     go to the worker that owns their gold answer, so a question's G responses parse it once."""
+    max_calls_in_flight: int | None = Field(None, ge=1)
+    """Verify calls served at once; one more gets UNAVAILABLE ("busy", which clients retry) at once. Each call waits
+    on a gRPC thread until its items are done, so without a bound 16 slow calls took every thread and the health
+    check timed out. None = `server.grpc_threads` - 2 (two threads always free for health checks and other calls)."""
     reward_correct: float = 1.0
     """Reward of a CORRECT verdict."""
     reward_wrong: float = -1.0
     """Reward of every other verdict (DAPO's verl recipe uses -1)."""
+
+    @property
+    def call_slots(self) -> int:
+        return self.max_calls_in_flight or max(1, self.server.grpc_threads - 2)
+
+    @model_validator(mode="after")
+    def _calls_leave_threads(self) -> VerifierConfig:
+        if self.call_slots >= self.server.grpc_threads:
+            raise ValueError(
+                f"max_calls_in_flight ({self.call_slots}) must stay below server.grpc_threads "
+                f"({self.server.grpc_threads}): the health check needs a thread"
+            )
+        return self
 
     @model_validator(mode="after")
     def _timeouts_nest(self) -> VerifierConfig:

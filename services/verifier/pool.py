@@ -363,7 +363,7 @@ class VerifyPool:
             self._on_cache("verdict", True, hits)
             self._on_cache("verdict", False, len(new_jobs) + joins)
             self._on_cache("in_flight", True, joins)
-        self._queues.put([(job.key.gold, job) for job in new_jobs])
+        self._queues.put([(job.key.gold, job) for job in new_jobs], caller=batch)
         for i, result in ready:
             batch.set_result(i, result)
         return batch

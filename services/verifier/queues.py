@@ -7,6 +7,10 @@ split) still keeps every worker busy. Not from an idle owner's queue: that owner
 items itself, with the gold answer maybe already parsed. Taking from the tail keeps the owner's head,
 and the thief tends to take a run of items of one gold answer (callers send a question's responses
 together), so it parses that one once.
+
+Calls share every worker fairly: a worker's queue keeps each call's items apart and takes them round-robin, one
+item per call in turn, so a call of one item waits for at most one item of each other call queued there, never for
+a whole large batch (issue 31: a call of 40 slow items held three 1-item calls past their 5 s deadlines).
 """
 
 from __future__ import annotations
@@ -26,11 +30,46 @@ class Closed:
 CLOSED = Closed()
 
 
+class FairQueue(Generic[T]):
+    """Items of several callers: `popleft` serves the callers round-robin, each caller's items in order; `pop` (a
+    steal) takes the last item of the caller with the most queued."""
+
+    def __init__(self):
+        self._callers: collections.OrderedDict[object, collections.deque[T]] = collections.OrderedDict()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, caller: object, item: T) -> None:
+        self._callers.setdefault(caller, collections.deque()).append(item)
+        self._size += 1
+
+    def popleft(self) -> T:
+        caller, items = next(iter(self._callers.items()))
+        item = items.popleft()
+        if items:
+            self._callers.move_to_end(caller)  # this caller's next item waits for one of every other caller's
+        else:
+            del self._callers[caller]
+        self._size -= 1
+        return item
+
+    def pop(self) -> T:
+        caller = max(self._callers, key=lambda c: len(self._callers[c]))
+        items = self._callers[caller]
+        item = items.pop()
+        if not items:
+            del self._callers[caller]
+        self._size -= 1
+        return item
+
+
 class WorkQueues(Generic[T]):
-    """One FIFO per worker; `put` routes by gold answer, `get` falls back to stealing."""
+    """One fair queue per worker; `put` routes by gold answer, `get` falls back to stealing."""
 
     def __init__(self, num_workers: int):
-        self._queues: list[collections.deque[T]] = [collections.deque() for _ in range(num_workers)]
+        self._queues: list[FairQueue[T]] = [FairQueue() for _ in range(num_workers)]
         self._cond = threading.Condition()
         self._closed = False
         self._idle = [False] * num_workers  # blocked in `get`, waiting for work
@@ -39,11 +78,11 @@ class WorkQueues(Generic[T]):
         """The worker a gold answer belongs to: crc32, not `hash`, so the split is the same in every run."""
         return zlib.crc32(gold.encode("utf-8", "surrogatepass")) % len(self._queues)
 
-    def put(self, items: list[tuple[str, T]]) -> None:
-        """Queues (gold, item) pairs, each on its gold answer's worker, in order."""
+    def put(self, items: list[tuple[str, T]], caller: object = None) -> None:
+        """Queues (gold, item) pairs of one `caller`, each on its gold answer's worker, in order."""
         with self._cond:
             for gold, item in items:
-                self._queues[self.worker_for(gold)].append(item)
+                self._queues[self.worker_for(gold)].append(caller, item)
             self._cond.notify_all()
 
     def get(self, index: int, block: bool) -> T | Closed | None:

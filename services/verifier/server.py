@@ -7,6 +7,7 @@ or the client cancelling) its unchecked items are dropped from the pool's queue.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import CancelledError
 
@@ -84,12 +85,20 @@ class VerifierMetrics:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, pool: VerifyPool, config: VerifierConfig, metrics: VerifierMetrics):
         self._pool, self._config, self._metrics = pool, config, metrics
+        self._call_slots = threading.BoundedSemaphore(config.call_slots)
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         started = time.perf_counter()
+        if not self._call_slots.acquire(blocking=False):  # a thread must stay free for the health check
+            # UNAVAILABLE, not RESOURCE_EXHAUSTED: a transient overload, which clients retry with backoff.
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"verifier busy: {self._config.call_slots} Verify calls in flight (max_calls_in_flight); retry shortly",
+            )
         try:
             return self._verify(request, context)
         finally:
+            self._call_slots.release()
             self._metrics.request_seconds.observe(time.perf_counter() - started)
 
     def _verify(

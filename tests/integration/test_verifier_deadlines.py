@@ -28,14 +28,14 @@ _big_calls = itertools.count()
 _small_calls = itertools.count()
 
 
-def big_request() -> verifier_pb2.VerifyRequest:
+def big_request(items: int = BIG_ITEMS) -> verifier_pb2.VerifyRequest:
     """Distinct items never sent before (sympy caches repeated ones, and the verdict cache would answer an earlier
     call's): ~3-10 ms each on one worker, so 10 s or more in all."""
     first = BIG_ITEMS * next(_big_calls)
     return verifier_pb2.VerifyRequest(
         items=[
             verifier_pb2.VerifyItem(response=f"\\boxed{{\\frac{{{i}}}{{7}}+\\sqrt{{{i + 1}}}}}", ground_truth=f"{i}/7")
-            for i in range(first, first + BIG_ITEMS)
+            for i in range(first, first + items)
         ]
     )
 
@@ -138,3 +138,60 @@ def test_work_of_an_abandoned_call_stops(limited_verifier, stub, ending):
     assert _wait_for(lambda: sum(_requests(limited_verifier, c) - ended[c] for c in codes) == 1, timeout_s=10)
     assert _requests(limited_verifier, "RESOURCE_EXHAUSTED") == ended["RESOURCE_EXHAUSTED"]
     _assert_work_stopped(pool, stub, before, pool.counts(), BIG_ITEMS)
+
+
+@pytest.fixture(scope="module")
+def fair_verifier():
+    """One worker and a generous call limit: the big calls run for as long as the tests need them to."""
+    from rlep.services.verifier.config import VerifierConfig
+    from rlep.services.verifier.main import start_verifier
+
+    running = start_verifier(VerifierConfig(server=ServerConfig(port=0), num_workers=1, request_timeout_s=120))
+    channel = make_channel(f"127.0.0.1:{running.port}")
+    yield running, verifier_pb2_grpc.VerifierStub(channel)
+    channel.close()
+    running.stop()
+
+
+def test_small_calls_are_served_between_the_items_of_a_large_one(fair_verifier):
+    """Before (issue 31): a big call held 1-item calls behind its whole batch, past their 5 s deadlines."""
+    running, stub = fair_verifier
+    big = stub.Verify.future(big_request())  # ~10 s or more of work on the one worker
+    assert _wait_for(lambda: running.pool.counts()["checked"] >= 10, 30), "the big call never started"
+    try:
+        waits = []
+        for _ in range(3):
+            started = time.monotonic()
+            reply = stub.Verify(small_request(), timeout=5)
+            waits.append(time.monotonic() - started)
+            assert [r.verdict for r in reply.results] == [VERDICT_TO_PROTO[Verdict.CORRECT]] * SMALL_ITEMS
+        assert not big.done(), "the big call ended before the small ones were measured against it"
+    finally:
+        big.cancel()
+    print(f"3-item calls beside a {BIG_ITEMS}-item call answered in {', '.join(f'{w:.2f}' for w in waits)} s")
+    assert max(waits) < 2.0
+
+
+def test_calls_beyond_the_servers_slots_are_refused_and_health_keeps_answering(fair_verifier):
+    """Each Verify call waits on a gRPC thread: 16 slow ones took all 16, and the health check timed out."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    running, stub = fair_verifier
+    answered = threading.Semaphore(0)
+    calls = [stub.Verify.future(big_request(items=400)) for _ in range(16)]  # ~1-4 s each on one worker, at least
+    for call in calls:
+        call.add_done_callback(lambda _: answered.release())
+    try:
+        assert answered.acquire(timeout=30) and answered.acquire(timeout=30)  # 16 threads - 2 kept free = 14 slots
+        refused = [c.exception() for c in calls if c.done()]
+        assert len(refused) == 2, [str(e) for e in refused]
+        assert all(e is not None and e.code() == grpc.StatusCode.UNAVAILABLE and "busy" in e.details() for e in refused)
+        health = health_pb2_grpc.HealthStub(make_channel(f"127.0.0.1:{running.port}"))
+        started = time.monotonic()
+        status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - started < 1.0
+    finally:
+        for call in calls:
+            call.cancel()

@@ -51,6 +51,28 @@ def test_items_with_one_gold_answer_go_to_one_worker_and_idle_workers_steal_from
     assert queues.get(1, block=True) is CLOSED
 
 
+def test_a_worker_serves_its_callers_round_robin_so_a_small_call_never_waits_for_a_large_one():
+    """Issue 31: one call of 40 slow items made 1-item calls behind it miss their 5 s deadlines."""
+    queues: WorkQueues[str] = WorkQueues(1)
+    big, small, other = object(), object(), object()
+    queues.put([("g", f"big{i}") for i in range(40)], caller=big)
+    queues.put([("g", "small0")], caller=small)
+    queues.put([("g", "other0"), ("g", "other1")], caller=other)
+    served = [queues.get(0, block=False) for _ in range(6)]
+    assert served == ["big0", "small0", "other0", "big1", "other1", "big2"]  # one item per caller in turn
+    assert queues.sizes() == [37]
+
+
+def test_a_steal_takes_the_tail_of_the_caller_with_the_most_queued():
+    queues: WorkQueues[str] = WorkQueues(2)
+    [gold_b] = _golds_of_worker(queues, 1, 1)
+    queues.put([(gold_b, "small0")], caller="small")
+    queues.put([(gold_b, f"big{i}") for i in range(5)], caller="big")
+    assert queues.get(1, block=False) == "small0"  # the owner: round-robin from the first caller
+    assert queues.get(0, block=False) == "big4"  # the thief: the largest caller's tail
+    assert queues.sizes() == [0, 4]
+
+
 def test_the_queue_of_an_idle_owner_is_left_to_it():
     """An owner waiting for work takes its gold answers itself (its parse cache may hold them): no stealing."""
     queues: WorkQueues[str] = WorkQueues(2)
