@@ -1,7 +1,7 @@
 """TLS for every listener and client, from PEM files (in Kubernetes: the chart's TLS Secret mounted as files).
 
 Servers: `ServerConfig.tls_cert_file` / `tls_key_file` (class `TlsFiles`) turn TLS on for the gRPC port
-(`grpc_server_credentials`), /metrics (`server_ssl_context`) and eval's HTTP port (`uvicorn_ssl_kwargs`).
+(`grpc_server_credentials`), /metrics and eval's HTTP port (`server_ssl_context`).
 Clients: `make_channel` trusts the CA bundle named by `RLEP_TLS_CA_FILE` (`CA_FILE_ENV`), or the
 `tls_ca_file` it is given; without either it speaks plaintext, as before. `RLEP_TLS_SERVER_NAME` names
 the certificate to expect when servers are dialled by IP.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import ssl
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -42,13 +41,6 @@ def server_ssl_context(config: TlsFiles) -> ssl.SSLContext | None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
     return context
-
-
-def uvicorn_ssl_kwargs(config: TlsFiles) -> dict[str, Any]:
-    """Keyword arguments for `uvicorn.Config(...)` / `uvicorn.run(...)`: TLS on the HTTP port, or `{}`."""
-    if config.tls_cert_file is None or config.tls_key_file is None:
-        return {}
-    return {"ssl_certfile": str(config.tls_cert_file), "ssl_keyfile": str(config.tls_key_file)}
 
 
 def resolve_ca_file(tls_ca_file: Path | str | None = None) -> Path | None:

@@ -1,18 +1,20 @@
-"""Eval entry point: config -> Redis job store, rollout / verifier clients, job runner -> HTTP server (uvicorn)."""
+"""Eval entry point: config -> Redis job store, rollout / verifier clients, job runner -> HTTP server.
+
+The REST app (FastAPI) runs on the bounded HTTP server every HTTP port of RLEP shares (rlep_common/http_server.py),
+through a2wsgi: the same connection, head, body and time bounds as /metrics, not a copy of them.
+"""
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass
 
-import uvicorn
+from a2wsgi import ASGIMiddleware
 
+from rlep.common.http_server import BoundedHttpServer
 from rlep.common.lifecycle import serve_until_signal
 from rlep.common.metrics import service_registry
-from rlep.common.tls import uvicorn_ssl_kwargs
+from rlep.common.tls import server_ssl_context
 from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.runner import Backends, JobRunner
 from rlep.services.eval.server import EvalMetrics, create_app
@@ -22,15 +24,12 @@ from rlep.services.verifier.client import VerifierClient
 
 log = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 30.0  # uvicorn binds an already open socket: it is up in well under a second
-
 
 @dataclass
 class RunningEval:
     """A started service; `stop()` requeues the running job, then stops the HTTP server and the clients."""
 
-    http: uvicorn.Server
-    thread: threading.Thread
+    http: BoundedHttpServer
     host: str
     port: int
     scheme: str  # "https" when the port serves TLS
@@ -45,20 +44,11 @@ class RunningEval:
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.runner.stop(grace_s)
-        self.http.should_exit = True
-        self.thread.join(grace_s)
+        self.http.stop()
         for client in (self.backends.rollout, self.backends.checkpoint_rollout, self.backends.verifier):
             if client is not None:
                 client.close()
         self.store.close()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock
 
 
 def build_backends(config: EvalConfig) -> Backends:
@@ -92,19 +82,19 @@ def start_eval(config: EvalConfig) -> RunningEval:
     )
     runner.reap_dead_jobs()
     app = create_app(config, store, metrics, registry, runner.wake)
-    sock = _listen(config.server.host, config.server.port)
-    tls = uvicorn_ssl_kwargs(config.server)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **tls))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="eval-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not http.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the eval HTTP server did not start on {config.server.host}:{config.server.port}")
-        time.sleep(0.02)
+    tls = server_ssl_context(config.server)
+    http = BoundedHttpServer(
+        ASGIMiddleware(app),
+        config.server.host,
+        config.server.port,
+        tls,
+        name="eval-http",
+        max_body_bytes=config.server.max_request_bytes,
+        json_errors=True,
+    )
     runner.start()
     scheme = "https" if tls else "http"
-    return RunningEval(http, thread, config.server.host, sock.getsockname()[1], scheme, store, runner, backends)
+    return RunningEval(http, config.server.host, http.port, scheme, store, runner, backends)
 
 
 def serve_forever(config: EvalConfig) -> None:

@@ -132,7 +132,7 @@ class TokenCheck:
 
 def _errors(*codes: int) -> dict:
     responses: dict = {code: {"model": ErrorBody} for code in codes}
-    if 400 in responses:  # uvicorn refuses malformed HTTP itself, in plain text, before the app sees it
+    if 400 in responses:  # the HTTP server refuses malformed HTTP itself, before the app sees it
         responses[400]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return responses
 
@@ -162,7 +162,7 @@ def _add_service_routes(
     @app.middleware("http")
     async def measure_and_bound(request: Request, call_next):
         started = time.perf_counter()
-        length = request.headers.get("content-length")
+        length = request.headers.get("content-length") or None  # a WSGI bridge passes "" for no body
         if length is not None and (not length.isdigit() or int(length) > config.server.max_request_bytes):
             response = JSONResponse(
                 {"detail": f"request body over {config.server.max_request_bytes} bytes (or a bad Content-Length)"},

@@ -8,6 +8,8 @@ tests/integration/test_eval_known_answers.py.
 from __future__ import annotations
 
 import json
+import select
+import socket
 import subprocess
 import sys
 import time
@@ -323,3 +325,48 @@ def test_schemathesis_finds_no_server_errors(eval_service, auth_token_file, mode
             case.call_and_validate(headers=auth, excluded_checks=[positive_data_acceptance])
 
         call()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (it reads whatever the server sent first), or None."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
+def test_the_rest_port_has_the_bounds_of_every_http_port(eval_service):
+    """Issue 31: a 100 KB header was answered, idle and half-sent connections stayed open for ever, a Content-Length
+    larger than the body hung, and ~1,100 idle connections exhausted file descriptors until /healthz failed."""
+    from rlep.common.http_server import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS
+
+    port = int(eval_service.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.0 431") and b"over the limit of 16384 bytes" in reply
+    idle, half = socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /healthz HTTP/1.1\r\nHost: ")
+    short = socket.create_connection(("127.0.0.1", port))
+    short.sendall(b'POST /v1/evaluations HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": ')
+    for sock, bound in ((idle, HEAD_TIMEOUT_S), (half, HEAD_TIMEOUT_S), (short, BODY_TIMEOUT_S)):
+        waited = _closed_within(sock, bound + 5)
+        sock.close()
+        assert waited is not None and waited < bound + 2, (bound, waited)
+    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        answered: set[socket.socket] = set()  # refused at once (503, then closed)
+        deadline = time.monotonic() + 2
+        while len(answered) < 200 - MAX_CONNECTIONS and (left := deadline - time.monotonic()) > 0:
+            answered.update(select.select([s for s in flood if s not in answered], [], [], left)[0])
+        assert len(answered) >= 200 - MAX_CONNECTIONS  # the rest wait for their head, up to HEAD_TIMEOUT_S
+    finally:
+        for sock in flood:
+            sock.close()
+    assert httpx.get(f"{eval_service.url}/healthz", timeout=HEAD_TIMEOUT_S + 5).json() == {"status": "ok"}

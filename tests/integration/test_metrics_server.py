@@ -17,7 +17,8 @@ import pytest
 
 from rlep.common.auth import DUPLICATE
 from rlep.common.grpc_utils import make_channel
-from rlep.common.metrics import HEAD_TIMEOUT_S, MetricsServer, service_registry
+from rlep.common.http_server import HEAD_TIMEOUT_S
+from rlep.common.metrics import MetricsServer, service_registry
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -58,7 +59,7 @@ def http_get(port: int, path: str, authorization: list[str]) -> tuple[int, str]:
 @pytest.fixture
 def small_server():
     server = MetricsServer(
-        service_registry("test"), "127.0.0.1", 0, head_timeout_s=1.0, max_connections=2, max_request_bytes=1024
+        service_registry("test"), "127.0.0.1", 0, head_timeout_s=1.0, max_connections=2, max_head_bytes=1024
     )
     yield server
     server.stop()

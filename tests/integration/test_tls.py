@@ -18,7 +18,7 @@ from rlep.common.config import ServerConfig
 from rlep.common.grpc_utils import build_server, make_channel
 from rlep.common.lifecycle import start_metrics
 from rlep.common.metrics import service_registry
-from rlep.common.tls import CA_FILE_ENV, SERVER_NAME_ENV, uvicorn_ssl_kwargs
+from rlep.common.tls import CA_FILE_ENV, SERVER_NAME_ENV, server_ssl_context
 
 pytestmark = pytest.mark.integration
 
@@ -106,8 +106,7 @@ def test_tls_files_go_in_pairs_and_must_exist(tmp_path):
     with pytest.raises(ValueError, match="tls_key_file .* does not exist"):
         ServerConfig(tls_cert_file=cert_file, tls_key_file=tmp_path / "missing.key")
     both = ServerConfig(tls_cert_file=cert_file, tls_key_file=key_file)
-    assert uvicorn_ssl_kwargs(both) == {"ssl_certfile": str(cert_file), "ssl_keyfile": str(key_file)}
-    assert uvicorn_ssl_kwargs(ServerConfig()) == {}
+    assert server_ssl_context(both) is not None and server_ssl_context(ServerConfig()) is None
 
 
 def test_the_learners_metrics_serve_tls_when_configured(tmp_path):
