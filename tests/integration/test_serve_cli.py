@@ -103,3 +103,53 @@ def test_serve_rollout_process_standalone():
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output[-3000:]
     assert f"rollout listening on 127.0.0.1:{port}" in output
+
+
+@pytest.mark.parametrize("service", ["replay", "verifier"])
+def test_a_service_never_prints_its_token_or_its_redis_password(tmp_path, service):
+    """Issue 31: replay's start-up line printed its embedded Redis's password. Started with a token, called with the
+    right and a wrong one, stopped: neither secret appears anywhere in what the process wrote."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rlep.common.grpc_utils import make_channel
+
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken-that-must-not-leak\n")
+    port = free_port()
+    sets = ["local_redis_dir=" + str(tmp_path / "redis")] if service == "replay" else ["num_workers=1"]
+    proc = subprocess.Popen(
+        [
+            *rlep_command(),
+            "serve",
+            service,
+            "--port",
+            str(port),
+            "--auth-token-file",
+            str(token_file),
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_serving(port)
+        for token in ("t0ken-that-must-not-leak", "wrong-token"):
+            channel = make_channel(f"127.0.0.1:{port}", token)
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                method = "/rlep.replay.v1.ReplayBuffer/ListPools" if service == "replay" else None
+                if method:
+                    channel.unary_unary(method)(b"", timeout=5)
+            except grpc.RpcError:
+                pass
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    secrets = ["t0ken-that-must-not-leak"]
+    if service == "replay":
+        secrets.append((tmp_path / "redis" / "redis.password").read_text().strip())
+        assert "replay listening" in output
+    for secret in secrets:
+        assert secret not in output, f"a secret appears in the output of rlep serve {service}"
