@@ -275,7 +275,8 @@ def pool_figures(replay, pool: str, questions) -> dict:
     from rlep.services.eval.compare import pool_diversity
 
     texts: dict[str, list[str]] = {}
-    for chunk in replay.export(pool):
+    chunks = replay.export(pool) if pool in replay.list_pools() else []  # a collection that kept nothing made none
+    for chunk in chunks:
         for t in chunk.trajectories:
             texts.setdefault(t.question_id, []).append(t.response_text)
     numbers = {q.question_id: [int(n) for n in q.messages[-1][1].removesuffix("=?").split("+")] for q in questions}

@@ -37,6 +37,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "sum3-50": {"terms": 3, "max_value": 50, "warmup_steps": 600},
     "sum5-20-w300": {"terms": 5, "max_value": 20, "warmup_steps": 300, "max_response_tokens": 64},
     "sum4-20-w400": {"terms": 4, "max_value": 20, "warmup_steps": 400},
+    "sum3-50-w400": {"terms": 3, "max_value": 50, "warmup_steps": 400},
 }
 # What every pilot shares: one seed, a cheaper evaluation (500 questions: SE <= 0.022), the issue's plateau rule
 # (no new best beyond ~1 SE over 5 evaluations), and a cap far beyond the protocol baselines' 60-200 steps.
@@ -132,7 +133,7 @@ def report(pilots: list[dict], results: Path = RESULTS) -> None:
             stopped,
             f"{p['step_seconds_mean']:.2f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.with_suffix(".json").write_text(json.dumps(pilots, indent=1))
     figure, axes = plt.subplots(figsize=(7, 4))
