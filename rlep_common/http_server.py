@@ -20,6 +20,8 @@ import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
+from rlep.common.auth import DUPLICATE
+
 log = logging.getLogger(__name__)
 
 # A scraper or probe sends its ~300-byte request at once; Prometheus gives up on a scrape after
@@ -205,6 +207,24 @@ class _Server(ThreadingMixIn, WSGIServer):
         log.debug("HTTP connection from %s failed", client_address, exc_info=True)
 
 
+def one_authorization_header(app):
+    """A WSGI app that refuses (401, JSON) a request with more than one `Authorization` header before `app` sees it.
+
+    For an app behind a WSGI bridge (eval's FastAPI through a2wsgi): wsgiref joins repeated headers into one value,
+    so the app alone would see one (wrong) token where the auth rule (rlep_common/auth.py) refuses two headers.
+    """
+
+    def guarded(environ, start_response):
+        if len(environ.get(AUTH_KEY, ())) > 1:
+            body = json.dumps({"detail": DUPLICATE}).encode()
+            headers = [("Content-Type", "application/json"), ("WWW-Authenticate", "Bearer")]
+            start_response("401 Unauthorized", [*headers, ("Content-Length", str(len(body)))])
+            return [body]
+        return app(environ, start_response)
+
+    return guarded
+
+
 class BoundedHttpServer:
     """Serves the WSGI `app` on `http(s)://host:port` from a background thread until `stop()`."""
 
@@ -236,6 +256,11 @@ class BoundedHttpServer:
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the accept loop still runs (a health check's question)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._server.shutdown()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from a2wsgi import ASGIMiddleware
 
-from rlep.common.http_server import BoundedHttpServer
+from rlep.common.http_server import BoundedHttpServer, one_authorization_header
 from rlep.common.lifecycle import serve_until_signal
 from rlep.common.metrics import service_registry
 from rlep.common.tls import server_ssl_context
@@ -84,7 +84,7 @@ def start_eval(config: EvalConfig) -> RunningEval:
     app = create_app(config, store, metrics, registry, runner.wake)
     tls = server_ssl_context(config.server)
     http = BoundedHttpServer(
-        ASGIMiddleware(app),
+        one_authorization_header(ASGIMiddleware(app)),
         config.server.host,
         config.server.port,
         tls,

@@ -40,7 +40,7 @@ class EvalReplica:
         return self._running.url
 
     def check_health(self) -> None:
-        if not self._running.thread.is_alive():
+        if not self._running.http.alive:
             raise RuntimeError("the eval HTTP server thread stopped")
 
     def __del__(self) -> None:

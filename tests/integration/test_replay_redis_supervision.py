@@ -17,6 +17,7 @@ from rlep.common.grpc_utils import make_channel
 from rlep.services.replay.client import ReplayClient
 from rlep.services.replay.main import EMBEDDED_REDIS_LOST_EXIT_CODE
 from tests.conftest import free_port
+from tests.health_util import statuses_until_not_serving
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 
 pytestmark = pytest.mark.integration
@@ -83,14 +84,7 @@ def test_an_embedded_redis_that_cannot_restart_turns_replay_not_serving_and_ends
         [manifest] = (data_dir / "appendonlydir").glob("*.manifest")
         manifest.write_text("not a manifest\n")  # what a damaged disk leaves: redis-server refuses to start on it
         kill_redis(proc)
-        statuses = []
-        try:
-            for reply in watch:
-                statuses.append(reply.status)
-                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-        except grpc.RpcError:  # the process went away; what it said before is in `statuses`
-            pass
+        statuses = statuses_until_not_serving(watch)
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         proc.wait(timeout=60)
     finally:

@@ -17,6 +17,7 @@ from rlep.common.grpc_utils import make_channel
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.main import ENGINE_FAILED_EXIT_CODE
 from tests.conftest import free_port
+from tests.health_util import statuses_until_not_serving
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 from tests.unit.test_weights_staging import MAKER
 
@@ -96,14 +97,7 @@ def test_a_dead_engine_core_retires_the_worker(tmp_path):
         [core] = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
         core.kill()
         killed = time.monotonic()
-        statuses = []
-        try:
-            for reply in watch:
-                statuses.append(reply.status)
-                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-        except grpc.RpcError:  # the worker went away; what it said before is in `statuses`
-            pass
+        statuses = statuses_until_not_serving(watch)
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         # The in-flight call fails over (UNAVAILABLE), and the process ends for its supervisor to restart it.
         assert call.exception(timeout=60).code() == grpc.StatusCode.UNAVAILABLE
@@ -157,14 +151,7 @@ def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_
         sender.join(timeout_s * 2)
         assert sender.exitcode == -signal.SIGKILL  # died half way, many buckets after loading began
         died = time.monotonic()
-        statuses = []
-        try:
-            for reply in watch:
-                statuses.append(reply.status)
-                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-        except grpc.RpcError:  # the worker went away; what it said before is in `statuses`
-            pass
+        statuses = statuses_until_not_serving(watch)
         retired_s = time.monotonic() - died
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         error = call.exception(timeout=timeout_s)
