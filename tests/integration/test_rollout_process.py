@@ -166,4 +166,8 @@ def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_
     try:
         assert _greedy(rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{port}"))) == before
     finally:
-        proc.kill()
+        proc.send_signal(signal.SIGTERM)  # a clean stop takes its vLLM engine core along (SIGKILL would orphan it)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
