@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
+
+from rlep.common.grpc_utils import HANDLER_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,6 @@ class _IdleWatch:
         self.idle_timeout_s = idle_timeout_s
         self._waiting: dict[int, tuple[float, grpc.ServicerContext, str]] = {}
         self._lock = threading.Lock()
-        self.cancelled = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-idle-watch", daemon=True)
         self._thread.start()
@@ -44,9 +45,6 @@ class _IdleWatch:
         with self._lock:
             self._waiting.pop(key, None)
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def _run(self) -> None:
         while not self._stop.wait(WATCH_PERIOD_S):
             now = time.monotonic()
@@ -55,7 +53,6 @@ class _IdleWatch:
                 expired = [self._waiting.pop(k) for k in stale]
             for _, context, method in expired:
                 log.warning("%s: the client sent nothing for %.0f s; call cancelled", method, self.idle_timeout_s)
-                self.cancelled += 1
                 context.cancel()
 
 
@@ -95,39 +92,30 @@ class StreamGuardInterceptor(grpc.ServerInterceptor):
         slot = self._slot(method)
         limit = self._max_streams
 
-        def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> bool:
-            if slot.acquire(blocking=False):
-                return True
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{limit} {method.rsplit('/', 1)[-1]} calls are already streaming to this server; retry later",
-            )
-            return False
-
-        if handler.response_streaming:
-
-            def guarded_stream(requests, context):
-                admitted(requests, context)
+        def guarded(requests: Iterator[Any], context: grpc.ServicerContext):
+            if not slot.acquire(blocking=False):
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{limit} {method.rsplit('/', 1)[-1]} calls are already streaming to this server; retry later",
+                )
+            watched = _WatchedRequests(requests, context, self.watch, method)
+            if not handler.response_streaming:
                 try:
-                    yield from handler.stream_stream(_WatchedRequests(requests, context, self.watch, method), context)
+                    return handler.stream_unary(watched, context)
                 finally:
                     slot.release()
+            return _released_after(handler.stream_stream(watched, context), slot)
 
-            behaviour: Callable = guarded_stream
-            make = grpc.stream_stream_rpc_method_handler
-        else:
-
-            def guarded_unary(requests, context):
-                admitted(requests, context)
-                try:
-                    return handler.stream_unary(_WatchedRequests(requests, context, self.watch, method), context)
-                finally:
-                    slot.release()
-
-            behaviour = guarded_unary
-            make = grpc.stream_unary_rpc_method_handler
-        return make(
-            behaviour,
+        return HANDLER_KINDS[(True, handler.response_streaming)](
+            guarded,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def _released_after(responses: Iterator[Any], slot: threading.BoundedSemaphore) -> Iterator[Any]:
+    """`responses`, then the stream's slot back (however the stream ends)."""
+    try:
+        yield from responses
+    finally:
+        slot.release()
