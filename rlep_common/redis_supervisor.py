@@ -35,7 +35,6 @@ class RedisSupervisor:
         self.lost: str | None = None
         self._on_lost, self._attempts, self._backoff_s = on_lost, attempts, backoff_s
         self._stopping = threading.Event()
-        self.restarted = threading.Event()  # set after each restart (tests and logs wait on it, never on time)
         self._thread = threading.Thread(target=self._watch, name="redis-supervisor", daemon=True)
         self._thread.start()
 
@@ -71,7 +70,6 @@ class RedisSupervisor:
                 time.monotonic() - started,
                 self.restarts,
             )
-            self.restarted.set()
             return True
         self.lost = f"the embedded redis-server died and could not be restarted ({self._attempts} tries): {error}"
         log.error("%s", self.lost)
