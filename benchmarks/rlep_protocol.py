@@ -22,7 +22,10 @@
     python benchmarks/rlep_protocol.py --ablations           # + the ablation table (see ABLATIONS)
     python benchmarks/rlep_protocol.py --set seeds=[0,1] --set max_steps=4 ...   # a smoke run
 
-Finished runs are kept under `work_dir/<run>/result.json` and reused on a rerun (delete to redo them).
+Finished runs are kept under `work_dir/<run>/result.json` and reused on a rerun (delete to redo them), and in
+`archive` (committed: benchmarks/protocol_archive.py) with the checkpoints the rest starts from, so a rerun on
+another machine resumes where the last one stopped; `--archive` saves what has finished (a run in progress
+started before this code existed saves nothing itself).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import protocol_archive as archived  # noqa: E402
 
 from rlep.common.config import StrictModel, deep_merge, load_config  # noqa: E402
 from rlep.services.eval.compare import plateau_step  # noqa: E402
@@ -76,10 +81,14 @@ class ProtocolConfig(StrictModel):
     """Checkpoints, step logs and per-run results (reused on a rerun)."""
     results: Path = Path("benchmarks/results/rlep_protocol")
     """Prefix of the JSON and PNG written (`.json`, `.png`)."""
-    terms: int = Field(4, ge=2)
-    """Numbers per problem: 4 gives 6 valid solution paths per question (3 gives 3)."""
-    max_value: int = Field(16, ge=2)
-    """Numbers in [1, max_value]: 16^4 = 65,536 problems, ~6,500 of them held out: room for 2,500 eval questions."""
+    archive: Path | None = Path("benchmarks/results/rlep_protocol_archive")
+    """Finished runs and the checkpoints the rest starts from, kept in the repository (None: not kept)."""
+    terms: int = Field(3, ge=2)
+    """Numbers per problem. Issue 29's task (benchmarks/task_pilots.py): sums of 3 numbers in [1, 50], 3 valid
+    solution paths per question; its warm-up starts near 0.21 and plain RL converges near 0.53 (the pilot of the
+    issue-15 task, 4 numbers in [1, 16], started at 0.37 and converged near 0.52)."""
+    max_value: int = Field(50, ge=2)
+    """Numbers in [1, max_value]: 50^3 = 125,000 problems, room for 2,500 held-out eval questions."""
     warmup_steps: int = Field(600, ge=0)
     warmup_seed: int = 0
     train_questions: int = Field(256, ge=8)
@@ -180,15 +189,20 @@ def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float 
     base = cached_model("tiny")
     key = json.dumps([base.name, cfg.warmup_steps, cfg.warmup_seed, config.model_dump(mode="json")], sort_keys=True)
     out = Path.home() / ".cache" / "rlep" / "warmup" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if cfg.archive and not (out / RESULT_FILE).exists():
+        archived.restore_checkpoint(cfg.archive, "warmup", out)  # every pair of runs must share one warm-up
     if not (out / RESULT_FILE).exists():
         if not build:
             return out, None
         warmup(base, out, cfg.warmup_steps, seed=cfg.warmup_seed, config=config)
+        if cfg.archive:
+            archived.save_checkpoint(cfg.archive, "warmup", out)
     return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
 
 
-def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None) -> dict:
-    """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step.
+def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None, archive: Path | None = None) -> dict:
+    """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step. A run
+    finished before (here, or in `archive`) is not run again.
 
     Returns the run's curve, where it stopped and why, and its per-step costs (result.json).
     """
@@ -196,6 +210,8 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
     from rlep.services.learner.records import StepRecord
 
     done = config.checkpoint.dir / "result.json"
+    if archive and archived.restore_file(archive, f"results/{config.run_id}.json", done):
+        return json.loads(done.read_text())
     if done.exists():
         return json.loads(done.read_text())
     if config.log_file.exists():
@@ -226,6 +242,8 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         "wall_seconds": time.perf_counter() - started,
     }
     done.write_text(json.dumps(result))
+    if archive:
+        archived.save_file(archive, f"results/{config.run_id}.json", done)
     return result
 
 
@@ -264,6 +282,8 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
         **pool_figures(replay, pool, questions),
     }
     done.write_text(json.dumps(figures))
+    if cfg.archive:
+        archived.save_file(cfg.archive, f"pools/{done.name}", done)
     return figures
 
 
@@ -323,18 +343,20 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
         # The first seed's baseline and the pool, then both arms seed by seed: whatever time allows ends in
         # complete pairs (a rerun reuses finished runs).
         first = cfg.seeds[0]
-        out["baseline"][first] = train_run(config(f"baseline-s{first}", first, cfg.max_steps), stack, cfg)
-        checkpoint = cfg.work_dir / f"baseline-s{first}" / f"step_{out['baseline'][first]['steps']}" / "hf"
+        out["baseline"][first] = train_run(config(f"baseline-s{first}", first, cfg.max_steps), stack, cfg, cfg.archive)
+        checkpoint = checkpoint_of_first_baseline(cfg, out["baseline"][first]["steps"])
         base = config("collect", first, 1)
         out["pool"] = collect_pool(cfg, stack, checkpoint, "protocol-phase1", cfg.collect_rule, base)
         for seed in cfg.seeds:
             if seed != first:
-                out["baseline"][seed] = train_run(config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg)
+                out["baseline"][seed] = train_run(
+                    config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg, cfg.archive
+                )
             steps = out["baseline"][seed]["steps"]
-            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, steps), stack, None)
+            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, steps), stack, None, cfg.archive)
             if cfg.equal_updates_arm:
                 equal = config(f"rlep-equal-s{seed}", seed, steps, extra={"algorithm": {"mini_batch_rows": "all"}})
-                out["rlep_equal"][seed] = train_run(equal, stack, None)
+                out["rlep_equal"][seed] = train_run(equal, stack, None, cfg.archive)
         if ablations:
             out["ablations"] = run_ablations(cfg, stack, config, out, checkpoint, base)
     finally:
@@ -370,63 +392,36 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
                     if spec["pool"] == "copy":
                         copy_pool(replay, "protocol-phase1", pool)
             extra = {k: v for k, v in spec.items() if k != "pool"}
-            runs[seed] = train_run(config(run_id, seed, out["baseline"][seed]["steps"], pool, extra), stack, None)
+            run = config(run_id, seed, out["baseline"][seed]["steps"], pool, extra)
+            runs[seed] = train_run(run, stack, None, cfg.archive)
         cells[name] = {"runs": runs}
     return cells
 
 
+def half_step(cfg: ProtocolConfig, steps: int) -> int:
+    """Where the first baseline's half-way checkpoint is: half its steps, rounded down to an evaluation."""
+    return max(cfg.eval_every, steps // 2 // cfg.eval_every * cfg.eval_every)
+
+
+def checkpoint_of_first_baseline(cfg: ProtocolConfig, step: int) -> Path:
+    """The first baseline's HF checkpoint at `step` (a pool is collected from it), from the archive when missing
+    here (a rerun on another machine); saved to the archive when it is not there yet."""
+    name = f"baseline-s{cfg.seeds[0]}"
+    hf = cfg.work_dir / name / f"step_{step}" / "hf"
+    if cfg.archive:
+        if not archived.restore_checkpoint(cfg.archive, f"{name}-step_{step}", hf):
+            raise SystemExit(f"{hf} is missing, and {cfg.archive} has no copy: delete {name}'s result to rerun it")
+        archived.save_checkpoint(cfg.archive, f"{name}-step_{step}", hf)
+    return hf
+
+
 def half_checkpoint(cfg: ProtocolConfig, steps: int) -> Path:
     """The first baseline's checkpoint at half its steps (rounded down to an evaluation, at least the first)."""
-    step = max(cfg.eval_every, steps // 2 // cfg.eval_every * cfg.eval_every)
-    return cfg.work_dir / f"baseline-s{cfg.seeds[0]}" / f"step_{step}" / "hf"
+    return checkpoint_of_first_baseline(cfg, half_step(cfg, steps))
 
 
 def ablation_run_id(cell: str, seed: int) -> str:
     return "abl-" + "".join(c if c.isalnum() else "-" for c in cell) + f"-s{seed}"
-
-
-def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig, dict]:
-    """The results of the runs already done, as run_protocol returns them, without starting anything: what
-    `--report-only` reports. Returns `cfg` narrowed to the seeds whose arms have all finished; with
-    `ablations`, the cells with at least one finished run among those seeds."""
-
-    def result(run_id: str) -> dict | None:
-        path = cfg.work_dir / run_id / "result.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    names = {"baseline": "baseline", "rlep": "rlep", **({"rlep_equal": "rlep-equal"} if cfg.equal_updates_arm else {})}
-    arms = {arm: {s: result(f"{name}-s{s}") for s in cfg.seeds} for arm, name in names.items()}
-    seeds = [s for s in cfg.seeds if all(runs[s] for runs in arms.values())]
-    if not seeds:
-        raise SystemExit(f"no seed has both arms finished under {cfg.work_dir}")
-    cfg = cfg.model_copy(update={"seeds": seeds})
-    warm, warm_pass = shared_warmup(cfg, build=False)
-    out: dict[str, Any] = {
-        "warmup": {"dir": str(warm), "pass_at_1": warm_pass},
-        **{arm: {s: runs[s] for s in seeds} for arm, runs in arms.items()},
-        "pool": json.loads((cfg.work_dir / "pool-protocol-phase1.json").read_text()),
-    }
-    runs = [run for arm in arms for run in out[arm].values()]
-    pools = [out["pool"]]
-    if (half := cfg.work_dir / "pool-protocol-phase1-half.json").exists():
-        out["pool_half"] = json.loads(half.read_text())
-        pools.append(out["pool_half"])
-    if ablations:
-        out["ablations"] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
-        for name in ABLATIONS:
-            done = {s: r for s in seeds[: cfg.ablation_seeds] if (r := result(ablation_run_id(name, s)))}
-            left_out = cfg.ablation_cells is not None and name not in cfg.ablation_cells
-            why = "left out of this run's budget (ablation_cells)" if left_out else "not finished when reported"
-            out["ablations"][name] = {"runs": done} if done else {"not_run": why}
-            runs += done.values()
-        other = cfg.work_dir / f"pool-protocol-phase1-{'distinct' if cfg.collect_rule == 'correct' else 'correct'}.json"
-        if other.exists():
-            out["pool_other_rule"] = json.loads(other.read_text())
-            pools.append(out["pool_other_rule"])
-    # Runs finished before runs recorded their wall time have none: the total is then unknown.
-    walls = [r.get("wall_seconds") for r in runs] + [p.get("seconds") for p in pools]
-    out["wall_seconds"] = sum(walls) if None not in walls else None
-    return cfg, out
 
 
 def main() -> None:
@@ -435,12 +430,21 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="ProtocolConfig override, key=value")
     parser.add_argument("--ablations", action="store_true", help="also run the ablation cells")
     parser.add_argument("--report-only", action="store_true", help="report what has finished (cells: --ablations)")
+    parser.add_argument("--archive", action="store_true", help="archive what has finished, then exit")
     args = parser.parse_args()
     cfg = load_config(ProtocolConfig, args.config, sets=args.sets, env_prefix="protocol")
+    if args.archive:
+        warm, _ = shared_warmup(cfg, build=False)
+        first = f"baseline-s{cfg.seeds[0]}"
+        saved = archived.archive_finished(cfg.archive, cfg.work_dir, warm, first, lambda n: half_step(cfg, n))
+        print("\n".join(f"archived {name}" for name in saved) or "nothing has finished")
+        return
 
     from rlep_protocol_report import report
 
     if args.report_only:
+        from protocol_finished import finished_runs
+
         cfg, raw = finished_runs(cfg, args.ablations)
     else:
         raw = run_protocol(cfg, args.ablations)

@@ -23,7 +23,7 @@ def protocol():
 
 def test_the_half_trained_pool_comes_from_the_evaluation_at_half_the_first_baseline(protocol, tmp_path):
     run, _ = protocol
-    cfg = run.ProtocolConfig(seeds=[3, 4], eval_every=20, work_dir=tmp_path)
+    cfg = run.ProtocolConfig(seeds=[3, 4], eval_every=20, work_dir=tmp_path, archive=None)
     assert run.half_checkpoint(cfg, 180) == tmp_path / "baseline-s3" / "step_80" / "hf"
     assert run.half_checkpoint(cfg, 20) == tmp_path / "baseline-s3" / "step_20" / "hf"  # never before the first
     first = run.run_config(cfg, "baseline-s3", 3, 600, tmp_path, "p", {}).checkpoint
@@ -58,3 +58,36 @@ def test_costs_count_phase_1_and_the_runs_it_takes_to_pay_for_the_pool(protocol,
     assert report.costs(cfg, raw, "rlep", slower)["runs_to_break_even"] is None
     never = {s: {"baseline_peak_step": 2, "rlep_steps_to_baseline_peak": None} for s in (0, 1)}
     assert report.costs(cfg, raw, "rlep", never)["seconds_saved_to_baseline_peak"] is None
+
+
+def test_finished_runs_and_their_checkpoints_resume_on_another_machine_from_the_archive(protocol, tmp_path):
+    """A protocol outlives a machine (issue 29: ~4 h of 2 cores): what finished on one resumes from the committed
+    archive on another, with the checkpoints its pools come from, and is reported there."""
+    import json
+
+    import protocol_archive
+    from protocol_finished import finished_runs
+
+    run, _ = protocol
+    here, archive, elsewhere = tmp_path / "here", tmp_path / "archive", tmp_path / "elsewhere"
+    results = {"baseline-s0": {"steps": 80, "seed": 0}, "rlep-s0": {"steps": 80, "seed": 0}}
+    for run_id, result in results.items():
+        (here / run_id).mkdir(parents=True)
+        (here / run_id / "result.json").write_text(json.dumps({"run_id": run_id, "curve": [[0, 0.1]], **result}))
+    for step in (40, 80):
+        hf = here / "baseline-s0" / f"step_{step}" / "hf"
+        hf.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (hf / name).write_text(f"{name} at {step}")
+    (here / "pool-protocol-phase1.json").write_text(json.dumps({"questions": 7}))
+    cfg = run.ProtocolConfig(seeds=[0], eval_every=20, work_dir=here, archive=archive, equal_updates_arm=False)
+    saved = protocol_archive.archive_finished(archive, here, tmp_path / "no-warmup", "baseline-s0", lambda n: n // 2)
+    assert "models/baseline-s0-step_40" in saved and "results/rlep-s0.json" in saved
+
+    moved = cfg.model_copy(update={"work_dir": elsewhere})
+    half = run.half_checkpoint(moved, 80)  # restored where the collection of the half-trained pool reads it
+    assert (half / "model.safetensors").read_text() == "model.safetensors at 40"
+    _, out = finished_runs(moved, ablations=False)
+    assert out["baseline"][0]["steps"] == out["rlep"][0]["steps"] == 80 and out["pool"] == {"questions": 7}
+    config = run.run_config(moved, "rlep-s0", 0, 80, tmp_path, "p", {})
+    assert run.train_run(config, stack=None, stop_at_plateau=None, archive=archive)["run_id"] == "rlep-s0"  # not rerun

@@ -117,7 +117,9 @@ def test_code_defaults_are_the_rlep_recipe():
 
 
 def test_dry_run_shows_the_recipe():
-    result = CliRunner().invoke(app, ["train", "--config", str(RECIPES / "rlep.yaml"), "--dry-run"])
+    result = CliRunner().invoke(
+        app, ["train", "--config", str(RECIPES / "rlep.yaml"), "--dry-run", "--skip-path-checks"]
+    )
     assert result.exit_code == 0, result.output
     shown = json.loads(result.output)
     assert shown["algorithm"]["replayed_per_question"] == 2
