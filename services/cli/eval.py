@@ -1,4 +1,5 @@
-"""`rlep eval`: submit a job to a running eval service, follow it with a progress bar, print the figures."""
+"""`rlep eval`: submit a job to a running eval service, follow it with a progress bar, print the figures (and, with
+--samples, write every response as scored to a JSONL file)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from rlep.services.cli.errors import reaching, read_token
 from rlep.services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
@@ -35,21 +37,45 @@ def _figure(value: float | None) -> str:
 
 
 def results_table(job: EvaluationJob) -> Table:
+    """One row per dataset. Nothing is cut to fit the console: a long dataset path folds onto more lines of its
+    cell instead of ending in an ellipsis (two paths alike but for their ends would read the same)."""
     n = job.request.n
-    table = Table(title=f"{job.request.model}: job {job.id} {job.status}")
-    for header in ("dataset", "questions", f"avg@{n}", f"maj@{n}", f"pass@{n}", "mean tokens", "unparseable"):
-        table.add_column(header, justify="left" if header == "dataset" else "right")
+    headers = ("dataset", "questions", f"avg@{n}", f"maj@{n}", f"pass@{n}", "mean tokens", "unparseable", "truncated")
+    # Collapsed padding keeps the eight columns within 80 characters when the names are short.
+    table = Table(title=f"{job.request.model}: job {job.id} {job.status}", collapse_padding=True, pad_edge=False)
+    for header in headers:
+        table.add_column(header, justify="left" if header == "dataset" else "right", overflow="fold")
     for result in job.results:
         table.add_row(
-            result.dataset,
+            Text(result.dataset),  # as it is: a name with [brackets] is no markup
             f"{result.questions}/{result.questions_total}",
             _figure(result.avg_at_n),
             _figure(result.maj_at_n),
             _figure(result.pass_at_n),
             "-" if result.mean_response_tokens is None else f"{result.mean_response_tokens:.1f}",
             f"{result.unparseable}/{result.samples}",
+            f"{result.truncated}/{result.samples}",
         )
     return table
+
+
+def write_samples(client: EvalClient, job: EvaluationJob, path: Path, console: Console) -> None:
+    """Writes every stored response of `job` to `path`, one JSON object per line, and says where."""
+    count = 0
+    try:
+        with path.open("w", encoding="utf-8") as out:
+            for sample in client.iter_samples(job.id):
+                out.write(sample.model_dump_json() + "\n")
+                count += 1
+    except OSError as err:
+        console.print(f"[red]cannot write the samples[/red]: {err}")
+        raise typer.Exit(1) from err
+    except EvalApiError as err:  # e.g. a service older than GET /v1/evaluations/{id}/samples
+        console.print(f"[red]cannot read the samples[/red]: {err}")
+        raise typer.Exit(1) from err
+    dropped = f" ({job.samples_dropped} more were not stored: the server's max_stored_samples)"
+    message = f"{count} samples written to {path}{dropped if job.samples_dropped else ''}"
+    console.print(message, soft_wrap=True, markup=False)  # the path on one line, as it is
 
 
 def run_eval(
@@ -58,10 +84,14 @@ def run_eval(
     request: EvaluationRequest,
     poll_s: float = 1.0,
     as_json: bool = False,
+    samples_file: Path | None = None,
 ) -> None:
     """Submits, follows and reports one job; exits 1 when it fails or is cancelled, 2 when it is refused.
-    Ctrl-C cancels the job on the server."""
+    Ctrl-C cancels the job on the server. With `samples_file`, the job's responses are written there once it has
+    ended, a failed or cancelled job's too (those scored before it stopped; not after Ctrl-C)."""
     console = Console(stderr=as_json)
+    if samples_file is not None and not samples_file.parent.is_dir():  # found out now, not after the job
+        raise typer.BadParameter(f"{samples_file.parent} is not a directory", param_hint="--samples")
     fix = "start it with `rlep serve eval`, or pass its URL with --server"
     with reaching("eval service", server, fix), EvalClient(server, token=read_token(token_file)) as client:
         try:
@@ -84,10 +114,12 @@ def run_eval(
                 job = client.cancel(job.id)
                 console.print(f"job {job.id} cancelled")
                 raise typer.Exit(130) from None
-    if as_json:
-        typer.echo(job.model_dump_json(indent=2))
-    else:
-        console.print(results_table(job))
+        if as_json:
+            typer.echo(job.model_dump_json(indent=2))
+        else:
+            console.print(results_table(job))
+        if samples_file is not None:
+            write_samples(client, job, samples_file, console)
     if job.status != JobStatus.SUCCEEDED:
         console.print(f"[red]{job.status}[/red]: {job.error}")
         raise typer.Exit(1)

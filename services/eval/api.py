@@ -6,6 +6,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlep.common.types import Verdict
 from rlep.services.eval.scoring import CURRENT_POLICY
 from rlep.services.rollout.types import MAX_TEMPERATURE, greedy_problem
 
@@ -115,11 +116,46 @@ class EvaluationJob(BaseModel):
     """Policy versions that produced the samples (a checkpoint: the version it was pushed as)."""
     results: list[DatasetResult] = []
     """One entry per dataset begun, in request order."""
+    samples_dropped: int = 0
+    """Responses scored but not kept for GET /v1/evaluations/{id}/samples (past the server's max_stored_samples)."""
 
 
 class JobList(BaseModel):
     jobs: list[EvaluationJob]
     """Newest first."""
+
+
+class EvalSample(BaseModel):
+    """One response of a job as it was scored."""
+
+    dataset: str
+    """The dataset's name as requested."""
+    question: int
+    """Index of the question in the dataset (0-based, in file order)."""
+    sample: int
+    """Index of this response among the question's n."""
+    prompt: str
+    """The last message of the chat sent (built-in and .jsonl sets: the problem and the \\boxed{} instruction)."""
+    ground_truth: str
+    response: str
+    """The response text. Past 16 KiB (UTF-8) it is cut there and ends with `[... N more bytes not stored]`."""
+    extracted_answer: str
+    """The answer the verifier found in the response ("" when none)."""
+    verdict: Verdict
+    truncated: bool
+    """Stopped by max_tokens (finish reason LENGTH)."""
+    response_tokens: int
+
+
+class SamplePage(BaseModel):
+    job_id: str
+    total: int
+    """Responses stored for the job (of the `dataset` asked for), so far if it still runs."""
+    offset: int
+    samples: list[EvalSample]
+    """In the order they were scored: dataset by dataset, question by question."""
+    samples_dropped: int
+    """Responses of the job not stored (past the server's max_stored_samples): not in `total`."""
 
 
 class ErrorBody(BaseModel):

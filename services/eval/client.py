@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from rlep.common.tls import resolve_ca_file
-from rlep.services.eval.api import TERMINAL_STATUSES, EvaluationJob, EvaluationRequest, JobList, JobStatus
+from rlep.services.eval.api import (
+    TERMINAL_STATUSES,
+    EvalSample,
+    EvaluationJob,
+    EvaluationRequest,
+    JobList,
+    JobStatus,
+    SamplePage,
+)
 
 # Every endpoint answers from Redis (a submission also reads its datasets): seconds at most.
 REQUEST_TIMEOUT_S = 60.0
@@ -93,6 +101,22 @@ class EvalClient:
 
     def cancel(self, job_id: str) -> EvaluationJob:
         return EvaluationJob.model_validate(self._call("DELETE", f"/v1/evaluations/{job_id}", retry=True))
+
+    def samples(self, job_id: str, offset: int = 0, limit: int = 100, dataset: str | None = None) -> SamplePage:
+        """One page of the job's responses as scored (limit: at most 1000)."""
+        params: dict[str, Any] = {"offset": offset, "limit": limit} | ({"dataset": dataset} if dataset else {})
+        body = self._call("GET", f"/v1/evaluations/{job_id}/samples", retry=True, params=params)
+        return SamplePage.model_validate(body)
+
+    def iter_samples(self, job_id: str, page_size: int = 1000, dataset: str | None = None) -> Iterator[EvalSample]:
+        """Every stored response of the job, page by page (a running job's: those stored when each page is read)."""
+        offset = 0
+        while True:
+            page = self.samples(job_id, offset, page_size, dataset)
+            yield from page.samples
+            offset += len(page.samples)
+            if not page.samples or offset >= page.total:
+                return
 
     def wait(
         self,

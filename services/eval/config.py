@@ -100,8 +100,12 @@ class EvalLimits(StrictModel):
 class EvalConfig(StrictModel):
     server: HttpServerConfig = HttpServerConfig()
     """Where the REST API listens."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis holding jobs and results (they survive a restart of the service)."""
+    redis_url: str | None = None
+    """Redis holding jobs and results (they survive a restart of the service), e.g. redis://:password@host:6379/0.
+    None starts a local redis-server with a password and an AOF under `local_redis_dir`, restarted when it dies
+    (as replay's): never another program's Redis by accident."""
+    local_redis_dir: Path = Path.home() / ".cache" / "rlep" / "eval-redis"
+    """Data directory (AOF, password file) of the self-started redis-server."""
     key_prefix: str = Field("rlep:eval:", min_length=1)
     """Prefix of every Redis key of this service (several deployments can share one Redis)."""
     rollout: RolloutEndpoints = RolloutEndpoints()
@@ -119,6 +123,10 @@ class EvalConfig(StrictModel):
     request cannot probe which files exist on the server."""
     questions_per_call: int = Field(32, ge=1, le=4096)
     """Questions per Generate call. Progress, metrics and cancellation advance at this granularity."""
+    max_stored_samples: int = Field(100_000, ge=0)
+    """Responses kept per job for GET /v1/evaluations/{id}/samples and `rlep eval --samples` (each with its prompt,
+    texts up to 16 KiB each; they stay in Redis as long as the job). Past it they are counted in the job's
+    `samples_dropped`, not stored; 0 keeps none."""
     lease_s: float = Field(30.0, ge=1.0, le=3600)
     """A running job whose service sends no heartbeat for this long is marked failed (its service died)."""
     redis_timeout_s: float = Field(10.0, gt=0)

@@ -42,6 +42,8 @@ class EvalReplica:
     def check_health(self) -> None:
         if not self._running.http.alive:
             raise RuntimeError("the eval HTTP server thread stopped")
+        if reason := self._running.failure:
+            raise RuntimeError(reason)
 
     def __del__(self) -> None:
         # Best effort: Serve tears replicas down in any state.

@@ -3,7 +3,8 @@
 One worker thread per service process runs one job at a time (a checkpoint job owns eval's rollout
 deployment while it runs, so jobs must not interleave there). A keeper thread renews the running job's
 lease and fails jobs whose service died (expired lease). A job advances a chunk of
-`questions_per_call` questions at a time: generate, verify, score, save progress. Cancellation and
+`questions_per_call` questions at a time: generate, verify, score, save progress and the chunk's samples
+(eval/samples.py). Cancellation and
 shutdown take effect at the next chunk boundary (the Generate call in flight runs to its end, but its
 responses are not verified); on shutdown the running job goes back to the head of the queue and starts
 over when a service (this one restarted, or another replica) is up.
@@ -26,6 +27,7 @@ from rlep.common.types import FinishReason
 from rlep.services.eval import tracking
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.samples import sample_records
 from rlep.services.eval.scoring import (
     CURRENT_POLICY,
     DatasetTally,
@@ -192,6 +194,7 @@ class JobRunner:
         progress = job.progress.model_copy(update={"questions_done": 0, "samples_done": 0})
         results: list[DatasetResult] = []
         versions: set[int] = set() if pushed_version is None else {pushed_version}
+        kept = 0  # samples stored by this attempt (its claim emptied the job's list): the first max_stored_samples
         # The job runs at most the questions checked at submission, even if a user file has grown since.
         budget = job.progress.questions_total
         for spec in request.datasets:
@@ -210,7 +213,9 @@ class JobRunner:
                 # A job cancelled while its chunk was generating must not cost verifier time as well.
                 if not self._store.renew_lease(job.id, attempt, self._config.lease_s):
                     raise JobAbandoned()
-                seen = self._score_chunk(chunk, completions, tally)
+                seen, records = self._score_chunk(spec.name, start, chunk, completions, tally)
+                stored = records[: max(0, self._config.max_stored_samples - kept)]
+                kept += len(stored)
                 if pushed_version is not None and seen != {pushed_version}:
                     raise RuntimeError(
                         f"samples came from policy versions {sorted(seen)}, not the pushed checkpoint "
@@ -220,7 +225,10 @@ class JobRunner:
                 progress.questions_done += len(chunk)
                 progress.samples_done += len(chunk) * request.n
                 results[-1] = _result(spec.name, len(questions), tally)
-                if not self._store.save_progress(job.id, attempt, progress, results, sorted(versions)):
+                saved = self._store.save_progress(
+                    job.id, attempt, progress, results, sorted(versions), stored, len(records) - len(stored)
+                )
+                if not saved:
                     raise JobAbandoned()
                 self._on_questions(len(chunk))
         progress.current_dataset = None
@@ -246,18 +254,24 @@ class JobRunner:
         log.info("checkpoint %s pushed to eval's rollout deployment as version %d", model, version)
         return target, version
 
-    def _score_chunk(self, chunk: list[Question], completions: list[Completion], tally: DatasetTally) -> set[int]:
-        """Verifies and scores one chunk of questions into `tally`; returns the policy versions seen."""
+    def _score_chunk(
+        self, dataset: str, first: int, chunk: list[Question], completions: list[Completion], tally: DatasetTally
+    ) -> tuple[set[int], list[str]]:
+        """Verifies and scores one chunk of questions (the first is question `first` of `dataset`) into `tally`;
+        returns the policy versions seen and the samples' records."""
         groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
         versions: set[int] = set()
-        for completion, outcomes in zip(completions, verify_groups(self._backends.verifier, groups), strict=True):
+        records: list[str] = []
+        verified = verify_groups(self._backends.verifier, groups)
+        for index, (question, completion, outcomes) in enumerate(zip(chunk, completions, verified, strict=True)):
             scores = []
             for sample, outcome in zip(completion.samples, outcomes, strict=True):
                 truncated = sample.finish_reason == FinishReason.LENGTH
                 scores.append(SampleScore(outcome.verdict, outcome.extracted_answer, len(sample.token_ids), truncated))
                 versions.add(sample.policy_version)
             tally.add(score_question(scores))
-        return versions
+            records += sample_records(dataset, first + index, question, completion.samples, outcomes)
+        return versions, records
 
 
 def follow_replicas(rollout: RolloutClient, newest_only: bool = False) -> None:

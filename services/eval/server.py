@@ -1,4 +1,5 @@
-"""The eval REST API (FastAPI): submit, read, list and cancel jobs; /metrics and /healthz on the same app.
+"""The eval REST API (FastAPI): submit, read, list and cancel jobs, read their samples; /metrics and /healthz on
+the same app.
 
 A thin adapter: requests are checked here (limits, datasets, checkpoint paths) so bad input gets a 4xx
 with the reason before anything is queued; jobs live in `JobStore` and run in `JobRunner`.
@@ -20,7 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlep.common.auth import check_bearer
 from rlep.common.strict_json import strict_json_problem
-from rlep.services.eval.api import ErrorBody, EvaluationJob, EvaluationRequest, JobList, JobStatus, Progress
+from rlep.services.eval.api import (
+    ErrorBody,
+    EvaluationJob,
+    EvaluationRequest,
+    JobList,
+    JobStatus,
+    Progress,
+    SamplePage,
+)
 from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.scoring import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
 from rlep.services.eval.store import JobStore
@@ -113,6 +122,23 @@ class ListQuery(BaseModel):
     """Only jobs in this state."""
 
 
+MAX_SAMPLES_PAGE = 1000
+
+
+class SamplesQuery(BaseModel):
+    """Query of GET /v1/evaluations/{id}/samples; unknown parameters are refused (422)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    offset: int = Field(0, ge=0, le=2**53)
+    """Samples to skip (of those matching `dataset`)."""
+    limit: int = Field(100, ge=1, le=MAX_SAMPLES_PAGE)
+    """Samples to return."""
+    # Bounded well below a dataset name's 4096: percent-encoded, the query must fit the 16 KiB request head.
+    dataset: str | None = Field(None, min_length=1, max_length=512)
+    """Only this dataset's samples (its name as requested)."""
+
+
 BEARER = HTTPBearer(auto_error=False, description="The token in the service's auth_token_file.")
 
 
@@ -138,9 +164,15 @@ def _errors(*codes: int) -> dict:
 
 
 def create_app(
-    config: EvalConfig, store: JobStore, metrics: EvalMetrics, registry: CollectorRegistry, wake: Callable[[], None]
+    config: EvalConfig,
+    store: JobStore,
+    metrics: EvalMetrics,
+    registry: CollectorRegistry,
+    wake: Callable[[], None],
+    failure: Callable[[], str | None] = lambda: None,
 ) -> FastAPI:
-    """The ASGI app. `wake` tells this replica's runner that a job was queued."""
+    """The ASGI app. `wake` tells this replica's runner that a job was queued; `failure()` names what broke the
+    service for good (its embedded Redis lost), which /healthz then answers with 503."""
     token = config.server.read_auth_token()
     guarded = [Depends(TokenCheck(token))] if token else []
     app = FastAPI(
@@ -149,13 +181,18 @@ def create_app(
         description="Evaluation jobs (Avg@N, Maj@N, Pass@N on math sets) run through the rollout and verifier "
         "services; jobs and results are kept in Redis.",
     )
-    _add_service_routes(app, config, metrics, registry, guarded)
+    _add_service_routes(app, config, metrics, registry, guarded, failure)
     app.include_router(job_routes(config, store, wake, guarded))
     return app
 
 
 def _add_service_routes(
-    app: FastAPI, config: EvalConfig, metrics: EvalMetrics, registry: CollectorRegistry, guarded: list
+    app: FastAPI,
+    config: EvalConfig,
+    metrics: EvalMetrics,
+    registry: CollectorRegistry,
+    guarded: list,
+    failure: Callable[[], str | None],
 ) -> None:
     """Request size bound, latency metric, Redis outages as 503, /healthz and /metrics."""
 
@@ -186,9 +223,11 @@ def _add_service_routes(
         return JSONResponse({"detail": f"job store (Redis) unavailable: {err}"}, status_code=503)
 
     @app.get("/healthz", tags=["service"])
-    def healthz() -> dict[str, str]:
-        """Liveness (open, for probes)."""
-        return {"status": "ok"}
+    def healthz() -> JSONResponse:
+        """Liveness (open, for probes): 503 once the service cannot work again without a restart."""
+        if reason := failure():
+            return JSONResponse({"status": "failing", "detail": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", include_in_schema=False, dependencies=guarded)
     def prometheus_metrics() -> Response:
@@ -196,7 +235,7 @@ def _add_service_routes(
 
 
 def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], guarded: list) -> APIRouter:
-    """/v1/evaluations: submit, list, read, cancel."""
+    """/v1/evaluations: submit, list, read, cancel, samples."""
     router = APIRouter(
         prefix="/v1/evaluations",
         tags=["evaluations"],
@@ -233,6 +272,15 @@ def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], gu
     def get_job(job_id: JobId) -> EvaluationJob:
         """Status, progress and the per-dataset figures so far."""
         return existing_job(job_id)
+
+    @router.get("/{job_id}/samples", response_model=SamplePage, responses=_errors(404))
+    def job_samples(job_id: JobId, query: Annotated[SamplesQuery, Query()]) -> SamplePage:
+        """Every response of the job as scored (prompt, response, extracted answer, verdict, truncated), in pages;
+        a running job's so far."""
+        page = store.samples(job_id, query.offset, query.limit, query.dataset)
+        if page is None:
+            raise HTTPException(404, f"no evaluation job {job_id!r}")
+        return page
 
     @router.delete("/{job_id}", response_model=EvaluationJob, responses=_errors(404, 409))
     def cancel_job(job_id: JobId) -> EvaluationJob:

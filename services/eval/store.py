@@ -7,11 +7,13 @@ Keys under the configured prefix P (default `rlep:eval:`):
 - `P queue`       list of queued job ids; a worker claims from the right end
 - `P state:<s>`   set of job ids per status (the `rlep_eval_jobs{state}` gauge)
 - `P lease:<id>`  the running attempt's token, with a TTL its worker keeps renewing
+- `P samples:<id>` list of the job's responses as scored (EvalSample JSON, eval/samples.py), the first
+                  max_stored_samples; emptied when an attempt starts (a requeued job starts over)
 
-Every status change is one Lua script, so a job is always in exactly one state set. Writes by a worker are
-fenced by its attempt token: once a job is cancelled, requeued or declared dead, the old worker's writes
-are refused and it stops. A running job whose lease expired (its service died) is marked failed by any
-replica's reaper, with the reason.
+Every status change is one Lua script, so a job is always in exactly one state set. Writes by a worker
+(progress and samples) are fenced by its attempt token: once a job is cancelled, requeued or declared dead,
+the old worker's writes are refused and it stops. A running job whose lease expired (its service died) is
+marked failed by any replica's reaper, with the reason.
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import redis
 from pydantic import ValidationError
 
-from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
+from rlep.services.eval.api import (
+    DatasetRequest,
+    DatasetResult,
+    EvalSample,
+    EvaluationJob,
+    EvaluationRequest,
+    JobStatus,
+    Progress,
+    SamplePage,
+)
+from rlep.services.eval.samples import dataset_ranges, page_spans
 
 _TRANSITION = """
 local p, id, attempt, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -52,12 +64,29 @@ while true do
   local job = p .. 'job:' .. id
   if redis.call('HGET', job, 'status') == 'queued' then
     redis.call('HSET', job, 'status', 'running', 'attempt', attempt, 'started_at', now)
+    redis.call('HDEL', job, 'samples_dropped')
+    redis.call('DEL', p .. 'samples:' .. id)
     redis.call('SMOVE', p .. 'state:queued', p .. 'state:running', id)
     redis.call('SET', p .. 'lease:' .. id, attempt, 'PX', lease_ms)
     return id
   end
 end
 """
+
+# A running attempt's progress fields and dropped-sample count, then samples appended to the job's list.
+_SAVE = """
+local p, id, attempt, dropped, nfields = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local job = p .. 'job:' .. id
+if redis.call('HGET', job, 'status') ~= 'running' or redis.call('HGET', job, 'attempt') ~= attempt then return 0 end
+local first = 6 + 2 * nfields
+for i = 6, first - 1, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+if dropped > 0 then redis.call('HINCRBY', job, 'samples_dropped', dropped) end
+for i = first, #ARGV do redis.call('RPUSH', p .. 'samples:' .. id, ARGV[i]) end
+return 1
+"""
+
+# Samples go to Redis in calls of about this many bytes (a chunk of questions x n can hold far more).
+SAMPLE_CALL_BYTES = 4 << 20
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -88,6 +117,7 @@ class JobStore:
         self._transition = client.register_script(_TRANSITION)
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
+        self._save = client.register_script(_SAVE)
         self._reap = client.register_script(_REAP)
 
     @classmethod
@@ -128,6 +158,28 @@ class JobStore:
 
     def count(self, status: JobStatus) -> int:
         return self._redis.scard(self._key("state", status))
+
+    def samples(self, job_id: str, offset: int, limit: int, dataset: str | None = None) -> SamplePage | None:
+        """Stored responses `offset` .. `offset + limit - 1` of a job (of one dataset); None for an unknown job."""
+        key = self._key("samples", job_id)
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hmget(self._key("job", job_id), ["status", "results", "samples_dropped"])
+            pipe.llen(key)
+            (status, results, dropped), stored = pipe.execute()
+        if status is None:
+            return None
+        ranges = [(0, stored)] if dataset is None else dataset_ranges(json.loads(results or "[]"), stored, dataset)
+        with self._redis.pipeline(transaction=False) as pipe:
+            for start, end in page_spans(ranges, offset, limit):
+                pipe.lrange(key, start, end - 1)
+            rows = [row for span in pipe.execute() for row in span]
+        return SamplePage(
+            job_id=job_id,
+            total=sum(end - start for start, end in ranges),
+            offset=offset,
+            samples=[EvalSample.model_validate_json(row) for row in rows],
+            samples_dropped=int(dropped or 0),
+        )
 
     # -- writing ---------------------------------------------------------------------------------
     def create(self, request: EvaluationRequest, progress: Progress) -> EvaluationJob:
@@ -170,18 +222,24 @@ class JobStore:
         progress: Progress,
         results: list[DatasetResult],
         policy_versions: list[int],
+        samples: Sequence[str] = (),
+        dropped: int = 0,
     ) -> bool:
-        """Records progress; False when the job is no longer this attempt's (cancelled, requeued, reaped)."""
-        applied, _ = self._move(
-            job_id,
-            attempt,
-            [JobStatus.RUNNING],
-            "",
-            progress=progress.model_dump_json(),
-            results=json.dumps([r.model_dump(mode="json") for r in results]),
-            policy_versions=json.dumps(policy_versions),
-        )
-        return applied
+        """Records progress, appends `samples` (EvalSample JSON) to the job's and counts `dropped` ones (scored, not
+        stored); False when the job is no longer this attempt's (cancelled, requeued, reaped)."""
+        fields = {
+            "progress": progress.model_dump_json(),
+            "results": json.dumps([r.model_dump(mode="json") for r in results]),
+            "policy_versions": json.dumps(policy_versions),
+        }
+        calls = _byte_batches(samples, SAMPLE_CALL_BYTES)
+        for number, batch in enumerate(calls, 1):
+            last = number == len(calls)  # the progress goes with the chunk's last samples
+            pairs = [item for pair in fields.items() for item in pair] if last else []
+            head = [self._prefix, job_id, attempt, dropped if last else 0, len(pairs) // 2]
+            if not self._save(args=[*head, *pairs, *batch]):
+                return False
+        return True
 
     def finish(self, job_id: str, attempt: str, status: JobStatus, error: str | None = None) -> bool:
         """Ends a running job (succeeded or failed) unless it is no longer this attempt's."""
@@ -217,6 +275,19 @@ class JobStore:
         return [job_id for job_id in running if self._reap(args=[self._prefix, job_id, reason, now])]
 
 
+def _byte_batches(items: Sequence[str], limit: int) -> list[list[str]]:
+    """`items` in order, in batches of about `limit` bytes (at least one item each); one empty batch for none."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for item in items:
+        if batches[-1] and size + len(item) > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += len(item)
+    return batches
+
+
 def _float_or_none(text: str | None) -> float | None:
     return float(text) if text else None
 
@@ -244,4 +315,5 @@ def _job_from_hash(job_id: str, fields: dict[str, str]) -> EvaluationJob:
         progress=Progress.model_validate_json(fields.get("progress") or "{}"),
         policy_versions=json.loads(fields.get("policy_versions") or "[]"),
         results=[DatasetResult.model_validate(r) for r in json.loads(fields.get("results") or "[]")],
+        samples_dropped=int(fields.get("samples_dropped") or 0),
     )

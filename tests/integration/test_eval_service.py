@@ -252,6 +252,7 @@ def test_a_job_running_at_shutdown_is_requeued_and_finished_after_restart(eval_c
             done = client.wait(job.id, timeout_s=JOB_TIMEOUT_S)
             assert done.status == JobStatus.SUCCEEDED, done.error
             assert done.progress.questions_done == 60 and done.results[0].samples == 240
+            assert client.samples(job.id, limit=1).total == 240  # the first attempt's samples were dropped
     finally:
         second.stop()
 
@@ -307,6 +308,7 @@ def test_schemathesis_finds_no_server_errors(eval_service, auth_token_file, mode
         "POST /v1/evaluations",
         "GET /v1/evaluations",
         "GET /v1/evaluations/{job_id}",
+        "GET /v1/evaluations/{job_id}/samples",
         "DELETE /v1/evaluations/{job_id}",
     }
     for operation in operations:

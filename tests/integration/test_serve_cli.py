@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rlep.common import health
@@ -18,6 +19,7 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.integration
 
 STARTUP_TIMEOUT_S = 60.0
+LEAK_CANARY = "t0ken-that-must-not-leak"  # the token services are started with; must appear nowhere they print
 
 
 def rlep_command() -> list[str]:
@@ -79,22 +81,34 @@ def test_serve_verifier_over_tls(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_serve_rollout_process_standalone():
-    """`rlep serve rollout` without Ray (how Kubernetes runs it): serves, then stops cleanly on SIGTERM."""
+def test_serve_rollout_process_standalone(tmp_path):
+    """`rlep serve rollout` without Ray (how Kubernetes runs it), with a token: serves, then stops cleanly on SIGTERM,
+    and its token appears nowhere in what it printed."""
     from rlep.services.rollout.client import RolloutClient
     from rlep.services.rollout.types import Sampling
 
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{LEAK_CANARY}\n")
     port = free_port()
     sets = ["engine.model=tiny", "engine.enforce_eager=true", "engine.max_model_len=256"]
     proc = subprocess.Popen(
-        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
+        [
+            *rlep_command(),
+            "serve",
+            "rollout",
+            "--port",
+            str(port),
+            "--auth-token-file",
+            str(token_file),
+            *[a for s in sets for a in ("--set", s)],
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
         wait_serving(port, timeout_s=300)
-        client = RolloutClient([f"127.0.0.1:{port}"])
+        client = RolloutClient([f"127.0.0.1:{port}"], token=LEAK_CANARY)
         [completion] = client.generate(["Q: 2+2=?\nA: "], Sampling(n=2, max_tokens=4))
         client.close()
         assert len(completion.samples) == 2 and all(s.token_ids for s in completion.samples)
@@ -103,21 +117,19 @@ def test_serve_rollout_process_standalone():
         output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output[-3000:]
     assert f"rollout listening on 127.0.0.1:{port}" in output
+    assert LEAK_CANARY not in output, "rlep serve rollout printed its token"
 
 
-@pytest.mark.parametrize("service", ["replay", "verifier"])
+@pytest.mark.parametrize("service", ["replay", "verifier", "eval"])
 def test_a_service_never_prints_its_token_or_its_redis_password(tmp_path, service):
     """Issue 31: replay's start-up line printed its embedded Redis's password. Started with a token, called with the
-    right and a wrong one, stopped: neither secret appears anywhere in what the process wrote."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from rlep.common.grpc_utils import make_channel
-
+    right and a wrong one, stopped: neither secret appears anywhere in what the process wrote. (Rollout: its
+    standalone test above.)"""
     token_file = tmp_path / "token"
-    token_file.write_text("t0ken-that-must-not-leak\n")
+    token_file.write_text(f"{LEAK_CANARY}\n")
     port = free_port()
-    sets = ["local_redis_dir=" + str(tmp_path / "redis")] if service == "replay" else ["num_workers=1"]
+    embedded_redis = service in ("replay", "eval")
+    sets = ["local_redis_dir=" + str(tmp_path / "redis")] if embedded_redis else ["num_workers=1"]
     proc = subprocess.Popen(
         [
             *rlep_command(),
@@ -134,22 +146,52 @@ def test_a_service_never_prints_its_token_or_its_redis_password(tmp_path, servic
         text=True,
     )
     try:
-        wait_serving(port)
-        for token in ("t0ken-that-must-not-leak", "wrong-token"):
-            channel = make_channel(f"127.0.0.1:{port}", token)
-            try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-                method = "/rlep.replay.v1.ReplayBuffer/ListPools" if service == "replay" else None
-                if method:
-                    channel.unary_unary(method)(b"", timeout=5)
-            except grpc.RpcError:
-                pass
+        if service == "eval":
+            wait_http_ok(f"http://127.0.0.1:{port}/healthz")
+            for token in (LEAK_CANARY, "wrong-token"):
+                httpx.get(f"http://127.0.0.1:{port}/v1/evaluations", headers={"Authorization": f"Bearer {token}"})
+        else:
+            wait_serving(port)
+            for token in (LEAK_CANARY, "wrong-token"):
+                call_with_token(port, token, "/rlep.replay.v1.ReplayBuffer/ListPools" if service == "replay" else None)
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
-    secrets = ["t0ken-that-must-not-leak"]
-    if service == "replay":
+    assert f"{service} listening" in output, output
+    secrets = [LEAK_CANARY]
+    if embedded_redis:
         secrets.append((tmp_path / "redis" / "redis.password").read_text().strip())
-        assert "replay listening" in output
+        assert "redis=redis://" in output, output  # where its Redis is, without the password
     for secret in secrets:
         assert secret not in output, f"a secret appears in the output of rlep serve {service}"
+
+
+def call_with_token(port: int, token: str, method: str | None) -> None:
+    """A health check, and `method` (no body) when given, with `token`; refusals are what a wrong token gets."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rlep.common.grpc_utils import make_channel
+
+    channel = make_channel(f"127.0.0.1:{port}", token)
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        if method:
+            channel.unary_unary(method)(b"", timeout=5)
+    except grpc.RpcError:
+        pass
+
+
+def wait_http_ok(url: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until `url` answers 200 (a starting HTTP service), polling; fails after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer 200 within {timeout_s} s"
+        time.sleep(0.1)
