@@ -34,6 +34,7 @@ from rlep.services.rollout.broadcast_receiver import (
     ModelCorrupted,
 )
 from rlep.services.rollout.config import EngineConfig
+from rlep.services.rollout.load_logs import cast_summary
 from rlep.services.rollout.types import Generation, SampleOut, Sampling, prompt_seed
 from rlep.services.rollout.vllm_args import engine_kwargs, sampling_params, shutdown_llm, weight_reload_problem
 
@@ -121,6 +122,10 @@ class RolloutEngine:
         model_config = self._llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
+        self.dtype = str(model_config.dtype).removeprefix("torch.")
+        """The dtype the engine's weights are in (vLLM's `dtype: auto` downcasts a float32 checkpoint to bfloat16)."""
+        casts = cast_summary(self._weight_casts(), "start") or "none cast on load"
+        log.info("rollout engine runs %s; weights: %s", self.dtype, casts)
         self._version = initial_version
         self._max_batch_prompts = max_batch_prompts
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -277,6 +282,10 @@ class RolloutEngine:
         except Exception as err:  # handed to the caller, who maps it to a status
             _settle(job.future, error=err)
 
+    def _weight_casts(self) -> dict[str, int]:
+        """Dtype casts vLLM made loading weights since the last call (the first worker's; all load the same)."""
+        return self._llm.collective_rpc("take_weight_casts")[0]
+
     def _check_newer(self, version: int) -> None:
         if version <= self._version:
             raise VersionError(f"version {version} is not newer than the current version {self._version}")
@@ -285,6 +294,7 @@ class RolloutEngine:
         self._check_newer(job.version)
         started = time.perf_counter()
         self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
+        log.debug("%s", cast_summary(self._weight_casts(), f"push of version {job.version}"))
         self._llm.reset_prefix_cache()
         self._version = job.version
         if job.behind_generation:
@@ -306,6 +316,7 @@ class RolloutEngine:
             if isinstance(error := self._engine_error(err), EngineUnavailable):
                 raise error from err
             raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {err}") from err
+        log.debug("%s", cast_summary(self._weight_casts(), f"broadcast of version {job.version}"))
         self._llm.reset_prefix_cache()
         self._version = job.version
         return BroadcastReceipt(time.perf_counter() - started, max(o["peak_bytes"] for o in outcomes))

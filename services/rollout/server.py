@@ -232,4 +232,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             replica_id=self._replica_id,
             generated_tokens=self._engine.generated_tokens,
             pid=os.getpid(),
+            dtype=self._engine.dtype,
         )

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import itertools
 
+from rlep.services.rollout import load_logs
+
+# vLLM imports this module in each worker process before it loads the model: the filter is in place for the first
+# load's per-tensor dtype warnings too (load_logs.py).
+load_logs.install()
+
 
 class WeightSyncExtension:
     # `self` is vLLM's worker: `reload_weights`, `model_runner`, `device` come from it.
@@ -27,11 +33,21 @@ class WeightSyncExtension:
 
         state_dict = load_file(path)
         count = len(state_dict)
+        self._expect_tied_head()
         # The worker's reload path maps checkpoint names onto vLLM's fused layers (qkv, gate_up);
         # calling model.load_weights directly fails on CPU (parameters lack a weight_loader).
         self.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)
         self._refresh_tied_output_layer()
         return count
+
+    def take_weight_casts(self) -> dict[str, int]:
+        """The dtype casts vLLM made while loading since the last call, e.g. {"float32->bfloat16": 122}."""
+        return load_logs.install().take_casts()
+
+    def _expect_tied_head(self) -> None:
+        """A tied head gets no tensor of its own in a reload: its "Failed to load weights" is expected."""
+        config = self.model_runner.model_config.hf_config
+        load_logs.install().tied_head = bool(getattr(config, "tie_word_embeddings", False))
 
     def _refresh_tied_output_layer(self) -> None:
         """Re-derives a tied output layer's kernel state from the freshly loaded embedding.
@@ -84,6 +100,7 @@ class WeightSyncExtension:
             outcome["error"] = "init_weight_broadcast was not called on this worker (or its last broadcast failed)"
             return outcome
         entries = [(n, TensorInfo(d, tuple(s))) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        self._expect_tied_head()
         held = HeldBytes()
         buckets = receive_buckets(communicator, entries, bucket_bytes, held)
 

@@ -1,0 +1,45 @@
+"""A replica of a real pretrained model says in one line what dtype it runs and what it cast, instead of a warning per
+tensor (issue 32, item 7). Before: starting SmolLM2-135M (float32 checkpoint, bfloat16 engine) printed 122
+`Attempted to load weight … torch.float32 into parameter with dtype torch.bfloat16` lines, and every push printed
+`RotaryEmbedding: Failed to load weights` and `ParallelLMHead: Failed to load weights` while it worked."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from rlep.services.learner.collect import push_checkpoint
+from rlep.services.rollout.client import RolloutClient
+from tests.conftest import free_port
+from tests.integration.test_serve_cli import rlep_command, wait_serving
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quietly(smollm2_dir):
+    port = free_port()
+    sets = [f"engine.model={smollm2_dir}", "engine.enforce_eager=true", "engine.max_model_len=512"]
+    proc = subprocess.Popen(
+        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_serving(port, timeout_s=300)
+        client = RolloutClient([f"127.0.0.1:{port}"])
+        [status] = client.status()
+        assert status.dtype == "bfloat16"  # vLLM's `auto` downcasts a float32 checkpoint
+        assert push_checkpoint(client, smollm2_dir) == 1  # a push of the same weights, cast again on load
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)  # SIGKILL would orphan its vLLM engine core
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert "Attempted to load weight" not in output
+    assert "Failed to load weights" not in output
+    [line] = [line for line in output.splitlines() if "rollout engine runs" in line]
+    assert "rollout engine runs bfloat16; weights: weights (start): " in line
+    assert "tensors cast float32->bfloat16" in line
