@@ -20,6 +20,15 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
+def read_texts(log_dir: Path, tag: str) -> dict[int, str]:
+    """step -> the text summary `tag` holds at that step (TensorBoard stores text as a string tensor)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{tag}/text_summary")}
+
+
 def jsonl_scalars(records: Iterable[LogRecord]) -> dict[str, dict[int, float]]:
     """name -> step -> value that the records' JSONL lines hold: numeric leaves, nested names joined by `/`."""
     expected: dict[str, dict[int, float]] = {}

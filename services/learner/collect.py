@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlep.common.dataset import Question
 from rlep.common.files import load_safetensors
+from rlep.common.policy_info import policy_version_of
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.services.learner.config import CollectConfig
 from rlep.services.learner.generation import ServiceClients
@@ -228,8 +229,9 @@ def _collect_chunk(
 
 
 def push_checkpoint(rollout, model_dir: Path) -> int:
-    """Serves a checkpoint's weights on every replica as a new version; returns that version."""
+    """Serves a checkpoint's weights on every replica as a new version; returns that version: the one the
+    checkpoint records (`rlep-policy.json`) when the replicas serve an older one, else one above theirs."""
     state = load_safetensors(sorted(Path(model_dir).glob("*.safetensors")))
-    version = max(rollout.versions()) + 1
+    version = max(max(rollout.versions()) + 1, policy_version_of(model_dir))
     rollout.push_weights(state, version)
     return version

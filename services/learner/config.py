@@ -134,8 +134,9 @@ class OptimConfig(StrictModel):
 class DeepSpeedConfig(StrictModel):
     zero_stage: int = Field(2, ge=0, le=3)
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype the model is loaded and trained in (bf16: DeepSpeed keeps float32 master weights);
-    pushed and saved weights are cast back to the starting checkpoint's dtype."""
+    """Dtype the model is loaded and trained in (bf16: DeepSpeed keeps float32 master weights). Weights pushed
+    to rollout are cast to the starting checkpoint's dtype (what the replicas loaded); a checkpoint's HF export
+    keeps this dtype."""
     num_processes: int = Field(1, ge=1)
     """Data-parallel learner processes (Ray actors); gloo on CPU, NCCL on GPU."""
     offload_optimizer: bool = False
@@ -153,7 +154,10 @@ class CheckpointConfig(StrictModel):
     dir: Path | None = None
     """Where checkpoints go (None = no checkpoints)."""
     every_steps: int = Field(50, ge=1)
+    """A checkpoint every this many steps, and one after the last step."""
     keep_last: int = Field(2, ge=1)
+    """How many `step_N` directories (DeepSpeed state and HF export) stay on disk; older ones are removed once
+    the newest is written, so keep_last + 1 exist for the moment in between. Size: docs/learner.md, *Checkpoints*."""
 
 
 class EndpointsConfig(StrictModel):
@@ -199,7 +203,10 @@ class LocalServicesConfig(StrictModel):
     """vLLM arguments of the replicas; `model` is replaced by the run's starting checkpoint."""
     verifier_workers: int = Field(1, ge=1)
     replay_redis_url: str | None = None
-    """Redis of the replay service; None = the embedded redis-server under ~/.cache/rlep/redis."""
+    """Redis of the replay service; None = an embedded redis-server under `replay_redis_dir`."""
+    replay_redis_dir: Path = Path.home() / ".cache" / "rlep" / "redis"
+    """Data directory (AOF, password) of that embedded redis-server: runs that share a pool (collect, then train)
+    share it; one process at a time owns it (a second run on one machine gets its own, or `replay_redis_url`)."""
     learner_cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved per learner process."""
     learner_gpus: float | None = Field(None, ge=0, le=1)
@@ -278,6 +285,9 @@ class LoggingConfig(StrictModel):
     to its `collect/` subfolder."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases, off unless `project` is set."""
+    generations_per_step: int = Field(4, ge=0)
+    """Sampled responses logged per step for a person to read (question, response, reward, fresh or replayed) to
+    `<run dir>/generations.jsonl` and as a TensorBoard / W&B table (`generations`); 0 = none."""
 
 
 class TrainConfig(StrictModel):

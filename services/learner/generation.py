@@ -99,7 +99,10 @@ class StepInputs:
         self.services, self.tokenizer = services, tokenizer
 
     def gather(self, step: int, timer: StepTimer) -> Gathered:
-        """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary."""
+        """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary.
+
+        `step` is the step's 0-based index (it seeds the sampling); logs name step `step + 1`, as its record does.
+        """
         algo = self.config.algorithm
         dynamic = algo.dynamic_sampling
         per_round = (
@@ -122,7 +125,8 @@ class StepInputs:
                 break
         if len(kept.questions) < algo.questions_per_step:
             log.warning(
-                "dynamic sampling kept %d of %d groups after %d rounds (max_rounds); training on %s",
+                "step %d: dynamic sampling kept %d of %d groups after %d rounds (max_rounds); training on %s",
+                step + 1,
                 len(kept.questions),
                 algo.questions_per_step,
                 kept.rounds,
@@ -162,7 +166,8 @@ class StepInputs:
         truncated = sum(p.truncated_tokens > 0 for p in prompts)
         if truncated:
             log.warning(
-                "%d of %d prompts were left-truncated to %d tokens",
+                "step %d: %d of %d prompts were left-truncated to %d tokens",
+                step + 1,
                 truncated,
                 len(prompts),
                 self.tokenizer.max_prompt_tokens,
@@ -181,7 +186,8 @@ class StepInputs:
     def replayed(
         self, step: int, gathered: Gathered, report: ReplayReport, timer: StepTimer
     ) -> dict[str, list[Trajectory]]:
-        """Up to M stored successes per question, re-tokenised and scored like fresh samples; `report` says how many."""
+        """Up to M stored successes per question, re-tokenised and scored like fresh samples; `report` says how many.
+        `step` is the 0-based index, as in `gather`."""
         algo, m = self.config.algorithm, self._replay_count()
         if algo.replayed_per_question == 0:
             return {}
@@ -214,7 +220,7 @@ class StepInputs:
         report.dropped = +report.dropped  # keep only reasons that happened
         if report.used == 0:
             message = (
-                f"replay is on (M={algo.replayed_per_question}) but step {step} got no replayed answer from pool "
+                f"replay is on (M={algo.replayed_per_question}) but step {step + 1} got no replayed answer from pool "
                 f"{self.config.replay_pool!r}: {dict(report.dropped) or 'nothing returned'}"
             )
             if algo.require_replay:

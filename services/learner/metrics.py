@@ -2,6 +2,10 @@
 
 The same figures go to the JSONL log each step; `STEP_GAUGES` maps a field of the step's record
 (records.py, whose field names are the log's keys) to its series so the two never drift apart.
+
+A field that only some records carry (`UNTIL_FIRST_VALUE`: `eval_accuracy`, only with `eval.every_steps`) has no
+series until a record gives it a value, as its key is absent from the log: a gauge without a value would be
+scraped as 0.0, an accuracy nobody measured.
 """
 
 from __future__ import annotations
@@ -54,12 +58,19 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "response_length_mean": ("rlep_learner_response_length_mean", "Mean response length in tokens"),
     "eval_accuracy": ("rlep_learner_eval_accuracy", "Accuracy on the held-out evaluation set (last evaluation)"),
 }
+# Fields whose gauge is registered (and so scraped) only once a record gives it a value.
+UNTIL_FIRST_VALUE = frozenset({"eval_accuracy"})
 PHASES = ("rollout", "verify", "replay", "train", "weight_push", "rollout_wait")
 
 
 class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.gauges = {key: Gauge(name, text, registry=registry) for key, (name, text) in STEP_GAUGES.items()}
+        self._registry = registry
+        self.gauges = {
+            key: Gauge(name, text, registry=None if key in UNTIL_FIRST_VALUE else registry)
+            for key, (name, text) in STEP_GAUGES.items()
+        }
+        self._unregistered = set(UNTIL_FIRST_VALUE)
         self.step_seconds = Gauge(
             "rlep_learner_step_seconds", "Seconds the last step spent in each phase", ["phase"], registry=registry
         )
@@ -75,6 +86,9 @@ class LearnerMetrics:
             value = getattr(record, field, None)
             if value is not None:
                 gauge.set(value)
+                if field in self._unregistered:
+                    self._registry.register(gauge)
+                    self._unregistered.discard(field)
         phase_seconds = record.phase_seconds if isinstance(record, StepRecord) else {}
         for phase, seconds in phase_seconds.items():
             self.step_seconds.labels(phase).set(seconds)

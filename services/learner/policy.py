@@ -31,6 +31,7 @@ from rlep.services.learner.algorithm import behavior_weights, mini_batch_normali
 from rlep.services.learner.batch import ExperienceBatch, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (
+    TRAIN_DTYPES,
     choose_adam,
     deepspeed_config,
     deepspeed_op_ready,
@@ -80,6 +81,7 @@ class DeepSpeedPolicy:
         # Pushed weights must match the checkpoint the rollout workers loaded, dtype included. Read it
         # from the config before loading: loading in another dtype rewrites `model.config.dtype`.
         self.checkpoint_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_dir))
+        self.train_dtype = TRAIN_DTYPES[ds.dtype]  # what `save_hf` writes: no upcast, no rounding
         offload = ds.offload_optimizer and ds.zero_stage > 0
         self.adam = choose_adam(ds.adam, torch.cuda.is_available(), offload, deepspeed_op_ready)
         ds_config = deepspeed_config(config, world_size, self.adam)
@@ -241,12 +243,14 @@ class DeepSpeedPolicy:
         ZeRO-3. Under ZeRO-3 every rank must call it (each takes part in every gather) and ranks > 0 get {}."""
         return self._full_weights(copy=True)
 
-    def _device_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor in the checkpoint's dtype on this process's device), in `state_dict` order, the
-        tied head left out. Under ZeRO-3 each parameter is gathered alone and valid only until the next one is
-        made, so no process holds more than one gathered parameter; every rank must run the iterator to its end."""
+    def _device_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor in `dtype` (default: the checkpoint's) on this process's device), in `state_dict`
+        order, the tied head left out. Under ZeRO-3 each parameter is gathered alone and valid only until the next
+        one is made, so no process holds more than one gathered parameter; every rank must run the iterator to its
+        end."""
         import deepspeed
 
+        dtype = dtype or self.checkpoint_dtype
         module = self.hf_model
         params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
         gather = self.config.deepspeed.zero_stage == 3
@@ -254,18 +258,19 @@ class DeepSpeedPolicy:
             if self.tied and name == "lm_head.weight":
                 continue  # the embedding carries it
             if name in buffers:
-                yield name, buffers[name].detach().to(self.checkpoint_dtype)
+                yield name, buffers[name].detach().to(dtype)
             elif name in params:
                 with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=None, enabled=gather):
-                    yield name, params[name].detach().to(self.checkpoint_dtype)
+                    yield name, params[name].detach().to(dtype)
 
-    def _full_weights(self, copy: bool) -> dict[str, torch.Tensor]:
-        """`state_dict()` on the host; without `copy` (CPU training outside ZeRO-3) the tensors may be the module's
-        own, valid until the next update: for a push that reads them at once."""
+    def _full_weights(self, copy: bool, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """`state_dict()` (in `dtype`, default the checkpoint's) on the host; without `copy` (CPU training outside
+        ZeRO-3) the tensors may be the module's own, valid until the next update: for a push that reads them at
+        once."""
         keep = self.rank == 0 or self.config.deepspeed.zero_stage != 3
         copy = copy or self.config.deepspeed.zero_stage == 3  # a gathered parameter is freed after its turn
         state = {}
-        for name, tensor in self._device_weights():
+        for name, tensor in self._device_weights(dtype):
             if keep:
                 state[name] = tensor.to("cpu", copy=copy)
         return state
@@ -281,16 +286,19 @@ class DeepSpeedPolicy:
         return self._pusher.push(weights, target, version, sync)
 
     def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        """An HF checkpoint (weights + config + `tokenizer_dir`'s tokenizer files) loadable by vLLM and transformers."""
-        state = self.state_dict()
+        """An HF checkpoint (weights + config + `tokenizer_dir`'s tokenizer files) loadable by vLLM and transformers.
+
+        The weights are written in the training dtype (`deepspeed.dtype`), whatever the starting checkpoint's: a
+        model trained in bf16 is not upcast to a float32 file twice its size, and one trained in float32 keeps the
+        updates that rounding to bf16 would lose. config.json says that dtype (vLLM's `dtype: auto` reads it).
+        Pushes to rollout keep the starting checkpoint's dtype (`state_dict`): that is what the replicas loaded."""
+        state = self._full_weights(copy=True, dtype=self.train_dtype)
         if self.rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-        # save_pretrained writes the module's (training) dtype into config.json; the weights it saved
-        # are in the checkpoint's dtype, and vLLM's `dtype: auto` reads the config.
         config = copy.deepcopy(self.hf_model.config)
-        config.dtype = self.checkpoint_dtype
+        config.dtype = self.train_dtype
         config.save_pretrained(out_dir)
         copy_tokenizer_files(tokenizer_dir, out_dir)
 

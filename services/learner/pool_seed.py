@@ -37,7 +37,9 @@ def seed_pool_from_candidates(replay, pool: str, paths: Sequence[Path]) -> int:
             continue
         reply = replay.import_chunks(read_pool_rows(path, pool))
         added += reply.added
-        log.warning(
+        # The normal start of such a run; a warning only when rows were refused.
+        log.log(
+            logging.WARNING if reply.rejected else logging.INFO,
             "replay pool %r seeded from %s: %d added, %d already there, %d rejected",
             pool,
             Path(path).name,

@@ -6,6 +6,7 @@ names are the JSONL keys: nested fields are joined with `/` (`phase_seconds/roll
 `replay_dropped/<reason>`), non-numeric fields (`question_ids`) and absent ones (`eval_accuracy` on steps
 without an evaluation) are left out, and `step` is the x-axis rather than a series. The resolved config is
 the run's hyper-parameters (TensorBoard: the HPARAMS tab and a `config` text summary; W&B: `config=`).
+A few of each step's responses go to a sink as a table (`generations`: TensorBoard text, a W&B table).
 
 `torch.utils.tensorboard` and `wandb` are imported only when a sink of theirs is made.
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rlep.common.config import redact_secrets
 from rlep.services.learner.config import LoggingConfig, TrainConfig, WandbConfig
+from rlep.services.learner.generations import LoggedGeneration, markdown_table
 
 __all__ = [
     "StepSink",
@@ -40,6 +42,9 @@ class StepSink(Protocol):
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         """Logs one record (a JSONL line as a dict) at `step`."""
+
+    def write_generations(self, step: int, rows: Sequence[LoggedGeneration]) -> None:
+        """Logs a few of the step's sampled responses as a table (`generations.pick`)."""
 
     def close(self) -> None:
         """Flushes and releases the sink (the run ended or failed)."""
@@ -103,6 +108,10 @@ class TensorBoardSink:
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def write_generations(self, step: int, rows: Sequence[LoggedGeneration]) -> None:
+        self.writer.add_text("generations", markdown_table(rows), step)
+        self.writer.flush()
+
     def close(self) -> None:
         if self._session_end is not None:
             self.writer.file_writer.add_summary(self._session_end)
@@ -132,6 +141,13 @@ class WandbSink:
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         metrics = {name: value for name, value in flatten_numbers(record).items() if name != "step"}
         self.run.log(metrics, step=step)
+
+    def write_generations(self, step: int, rows: Sequence[LoggedGeneration]) -> None:
+        import wandb
+
+        columns = list(LoggedGeneration.__dataclass_fields__)
+        table = wandb.Table(columns=columns, data=[[getattr(r, c) for c in columns] for r in rows])
+        self.run.log({"generations": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -20,12 +20,19 @@ The policy object (the `Policy` Protocol of policy_interface.py) does the tensor
 and service calls. Each step returns a `StepRecord` (records.py), which is also logged and sent to the gauges
 and to TensorBoard / W&B (tracking.py).
 
+Numbering: a step's record says `step` = the training steps completed, that one included (the first step is
+step 1), and every log line about a step names that number. `self.step` counts the steps completed, so the step
+being trained is `self.step + 1`; the 0-based index (`self.step` during the step) only seeds its sampling.
+Policy versions grow by one per push and never go back, across `--resume` too: a resumed run starts above the
+checkpoint's version, the step log's last version and whatever the replicas serve.
+
 Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
 process SIGKILLs itself right after that step's checkpoint is written, as a crash would.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -38,7 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlep.common.policy_info import write_policy_info
 from rlep.common.types import Group, Trajectory, Verdict
+from rlep.services.learner import generations
 from rlep.services.learner.batch import ExperienceBatch, build_batch
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor, Question
@@ -49,7 +58,7 @@ from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
 from rlep.services.learner.scoring import ReplayReport
 from rlep.services.learner.tokens import PolicyTokenizer
-from rlep.services.learner.tracking import StepSink
+from rlep.services.learner.tracking import StepSink, run_dir
 from rlep.services.rollout.client import Replica
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -58,6 +67,7 @@ from rlep.services.weights.transport import setup_weight_transport
 
 __all__ = ["Policy", "ServiceClients", "Trainer"]
 
+GENERATIONS_FILE = "generations.jsonl"  # in the run's directory, beside the step log when that is there too
 log = logging.getLogger(__name__)
 
 # The resume test kills the learner at a known point instead of racing a poll of the step log.
@@ -109,7 +119,7 @@ class Trainer:
     # -- start, resume, weights --------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
         """Restores the latest checkpoint when asked, then makes every rollout replica serve our weights."""
-        ckpt = self.config.checkpoint.dir
+        ckpt, restored = self.config.checkpoint.dir, 0
         if resume:
             if ckpt is None or not (ckpt / "latest").exists():
                 raise FileNotFoundError(f"--resume: no checkpoint under {ckpt}")
@@ -119,9 +129,19 @@ class Trainer:
             random.setstate(_tuple_state(state["python_rng"]))
             np.random.set_state(_tuple_state(state["numpy_rng"]))
             torch.set_rng_state(state["torch_rng"])
-            log.info("resumed at step %d (cursor %s)", self.step, state["cursor"])
-        # Versions only grow per deployment: start above whatever the replicas serve now.
-        self.version = max(self.services.rollout.versions()) + 1
+            # The step log also knows steps that ran after this checkpoint and were lost, and the versions of
+            # checkpoints written before the version was saved in them.
+            restored = max(int(state.get("policy_version", 0)), _last_logged_version(self.log_path))
+            log.info(
+                "resumed after step %d (cursor %s, policy version %d so far); the next step is step %d",
+                self.step,
+                state["cursor"],
+                restored,
+                self.step + 1,
+            )
+        # Versions only grow: start above the checkpoint's (replicas started since serve a lower one) and above
+        # whatever the replicas serve now (they may have outlived the run that pushed it).
+        self.version = max(restored, max(self.services.rollout.versions())) + 1
         self.tokenizer.fit_model_length(self.services.rollout.max_model_len())
         log.info("prompts are left-truncated to %d tokens", self.tokenizer.max_prompt_tokens)
         self.push_weights()
@@ -187,6 +207,7 @@ class Trainer:
             eval_accuracy = self.evaluate()
         record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy, staleness, stale_groups)
         self._publish(record)
+        self._log_generations(gathered, groups)
         ckpt = self.config.checkpoint
         if ckpt.dir and (self.step % ckpt.every_steps == 0 or self.step == self.config.steps):
             self.save_checkpoint()
@@ -206,7 +227,7 @@ class Trainer:
         if dropped:
             log.warning(
                 "step %d: %d fresh group(s) were staler than max_staleness=%d and are left out%s",
-                self.step,
+                self.step + 1,
                 dropped,
                 bound,
                 "" if gathered.fresh else "; none was left, so this step generates again on current weights",
@@ -219,7 +240,7 @@ class Trainer:
             dropped += drop_stale_groups(gathered, self.version, bound)
             if not gathered.fresh:
                 raise RuntimeError(
-                    f"step {self.step}: every fresh sample is staler than max_staleness={bound} even when "
+                    f"step {self.step + 1}: every fresh sample is staler than max_staleness={bound} even when "
                     f"generated after the replicas were brought to version {self.version}: a replica is not "
                     "taking weight pushes"
                 )
@@ -305,11 +326,24 @@ class Trainer:
         if self.on_step:
             self.on_step(record)
 
+    def _log_generations(self, gathered: Gathered, groups: Sequence[Group]) -> None:
+        """A few of the step's responses (fresh and replayed) to `<run dir>/generations.jsonl` and the sinks."""
+        count, folder = self.config.logging.generations_per_step, run_dir(self.config)
+        if count == 0 or (folder is None and not self.sinks):
+            return
+        questions = [q.messages[-1][1] for q in gathered.questions]
+        rows = generations.pick(self.step, questions, [g.trajectories for g in groups], count)
+        if folder is not None:
+            generations.append_jsonl(folder / GENERATIONS_FILE, rows)
+        for sink in self.sinks:
+            sink.write_generations(self.step, rows)
+
     def save_checkpoint(self) -> Path:
         ckpt = self.config.checkpoint
         tag = f"step_{self.step}"
         client_state = {
             "step": self.step,
+            "policy_version": self.version,
             "cursor": self._trained_cursor or self.cursor.state(),
             "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
@@ -318,13 +352,33 @@ class Trainer:
         }
         self.policy.save_checkpoint(ckpt.dir, tag, client_state)
         self.policy.save_hf(ckpt.dir / tag / "hf", self.model_dir)
-        tags = sorted((p for p in ckpt.dir.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+        # What the export is: a rollout started from it serves it as this version (rlep.common.policy_info).
+        write_policy_info(ckpt.dir / tag / "hf", self.config.run_id, self.step, self.version)
+        # Retention: the newest `keep_last` step directories (DeepSpeed state and HF export alike) stay. The new one
+        # is complete before an old one goes, so keep_last + 1 exist for the moment in between.
+        tags = sorted(
+            (p for p in ckpt.dir.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()),
+            key=lambda p: int(p.name.split("_")[1]),
+        )
         for old in tags[: -ckpt.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         if os.environ.get(KILL_AFTER_CHECKPOINT_ENV) == str(self.step):
             log.warning("%s=%d: killing this process after its checkpoint", KILL_AFTER_CHECKPOINT_ENV, self.step)
             os.kill(os.getpid(), signal.SIGKILL)
         return ckpt.dir / tag / "hf"
+
+
+def _last_logged_version(log_path: Path | None) -> int:
+    """The highest policy version in a step log (0 without one); a line cut short by a crash is skipped."""
+    if log_path is None or not log_path.exists():
+        return 0
+    versions = [0]
+    for line in log_path.read_text().splitlines():
+        try:
+            versions.append(int(json.loads(line)["policy_version"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(versions)
 
 
 def _tuple_state(state):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -116,8 +117,9 @@ def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None
     stack.services.replay.add(pool, trajectories)
 
 
-def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
-    """Three RLEP steps; after each, the learner's /metrics (bearer token required) shows that step's figures."""
+def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path, caplog):
+    """Three RLEP steps; after each, the learner's /metrics (bearer token required) shows that step's figures. At
+    start, one line says which dtype each side runs in (here both float32: no warning)."""
     import urllib.error
 
     from rlep.services.cli.run import run_training
@@ -129,7 +131,8 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     config = train_config(tmp_path, tmp_path / "train.parquet")
     # The token file protects /metrics only: the stack's services were started without one.
     endpoints = config.endpoints.model_copy(update={"auth_token_file": tmp_path / "token"})
-    config = config.model_copy(update={"metrics_port": free_port(), "endpoints": endpoints})
+    checkpoint = config.checkpoint.model_copy(update={"keep_last": 1})
+    config = config.model_copy(update={"metrics_port": free_port(), "endpoints": endpoints, "checkpoint": checkpoint})
     seed_pool(loop_stack, config.replay_pool, rows)
     before = loop_stack.services.rollout.versions()
     scraped, refused = [], []
@@ -142,12 +145,18 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
             refused.append(err.code)
         scraped.append((record, scrape(config.metrics_port, token="learner-metrics-token")))
 
-    records = run_training(config, stack=loop_stack, show_progress=False, on_step=scrape_metrics)
+    with caplog.at_level(logging.INFO, logger="rlep.services.cli.run"):
+        records = run_training(config, stack=loop_stack, show_progress=False, on_step=scrape_metrics)
 
+    [dtypes] = [r for r in caplog.records if r.getMessage().startswith("dtypes:")]
+    assert {s.dtype for s in loop_stack.services.rollout.status()} == {"float32"}  # what the replicas report
+    assert dtypes.getMessage() == "dtypes: the learner trains in float32, the rollout replicas sample in float32"
+    assert dtypes.levelno == logging.INFO
     assert refused == [401] * 3
     for record, text in scraped:
         for key, series in (("step", "rlep_learner_step"), ("policy_version", "rlep_learner_policy_version")):
             assert series_value(text, series) == getattr(record, key), series
+        assert "rlep_learner_eval_accuracy" not in text  # periodic eval is off: no accuracy, not 0.0
         for key in ("reward_mean", "replayed_fraction", "replay_used", "replay_requested", "advantage_std"):
             assert series_value(text, f"rlep_learner_{key}") == pytest.approx(getattr(record, key)), key
         for phase, seconds in record.phase_seconds.items():
@@ -172,8 +181,34 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path):
     final = load_file(str(tmp_path / "ckpt" / "step_3" / "hf" / "model.safetensors"))
     changed = [k for k in start if not torch.equal(start[k], final[k])]
     assert len(changed) == len(start), f"unchanged tensors: {set(start) - set(changed)}"
+    # keep_last=1: step 2's checkpoint (DeepSpeed state and HF export) is gone once step 3's is written.
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_3"]
+    from rlep.common.policy_info import policy_version_of
+
+    assert policy_version_of(tmp_path / "ckpt" / "step_3" / "hf") == records[-1].policy_version
+    sizes = {
+        part: sum(f.stat().st_size for f in files if f.is_file())
+        for part, files in (
+            ("deepspeed", [f for f in (tmp_path / "ckpt" / "step_3").iterdir() if f.name != "hf"]),
+            ("hf", list((tmp_path / "ckpt" / "step_3" / "hf").iterdir())),
+        )
+    }
+    print(f"\ntiny checkpoint bytes: {sizes}")  # docs/learner.md, *Checkpoints*
     log = read_step_log(tmp_path / "ckpt" / "log.jsonl")
     assert log == records  # the log holds the returned records, every field as it was
+    # A few responses per step for a person to read: 4 (the default) per step, the last one replayed when the step
+    # replayed, in generations.jsonl beside the log and as TensorBoard text.
+    from tests.tracking_util import read_texts
+
+    logged = [json.loads(line) for line in (tmp_path / "ckpt" / "generations.jsonl").read_text().splitlines()]
+    for record in records:
+        rows = [row for row in logged if row["step"] == record.step]
+        assert len(rows) == 4 and {row["question_id"] for row in rows} <= set(record.question_ids)
+        assert [row["source"] for row in rows] == ["fresh"] * 3 + ["replay" if record.replay_used else "fresh"]
+        assert all(row["policy_version"] <= record.policy_version for row in rows)
+    texts = read_texts(tmp_path / "ckpt" / "tensorboard", "generations")
+    assert sorted(texts) == [r.step for r in records]
+    assert all(row["response"].split("\n")[0].replace("|", "\\|") in texts[row["step"]] for row in logged)
     assert all(
         set(r.phase_seconds) == {"rollout", "verify", "replay", "train", "weight_push", "rollout_wait"} for r in log
     )
@@ -326,6 +361,11 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
 
     records = _log_steps(log_path)
     assert [r.step for r in records] == [1, 2, 3, 4]  # continued from the step-2 checkpoint, nothing redone
+    versions = [r.policy_version for r in records]
+    assert versions == sorted(set(versions)), versions  # versions only grow, across the resume too
+    from rlep.common.policy_info import policy_version_of
+
+    assert policy_version_of(tmp_path / "ckpt" / "step_4" / "hf") == versions[-1]
     questions = load_questions([tmp_path / "train.parquet"])
     cursor = DataCursor(len(questions), config["seed"], shuffle=True)
     schedule = [[questions[i].question_id for i in cursor.next_indices(4)] for _ in range(4)]

@@ -156,17 +156,26 @@ def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ra
     assert after["lr"] == pytest.approx(3 * LR / 4) and after["optimizer_steps"] == 6
 
 
-def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir, batch):
+def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir, batch, tmp_path):
+    """Pushes match what the replicas loaded (the float32 checkpoint); the HF export keeps the training dtype."""
+    from safetensors.torch import load_file
+
     _, ref_old, _, _ = updates[case_id(CASES[0])]
     policy = start_policy(model_dir, dtype="bf16")
     try:
         old = policy.logprobs(batch)
         policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size // 2)
         state = policy.state_dict()
+        policy.save_hf(tmp_path / "hf", model_dir)
     finally:
         policy.close()
     assert all(v.dtype == torch.float32 for v in state.values())  # the tiny checkpoint is float32
     assert all(torch.equal(v, v.bfloat16().float()) for v in state.values())  # held in bf16 while training
+    # The export is not upcast: bf16 tensors (half the bytes), the same values, and a config that says so.
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert exported.keys() == state.keys() and all(v.dtype == torch.bfloat16 for v in exported.values())
+    assert all(torch.equal(exported[k].float(), state[k]) for k in state)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(old[mask], ref_old[mask], atol=0.05, rtol=0.0)
 

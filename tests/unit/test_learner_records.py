@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from rlep.services.learner.metrics import STEP_GAUGES, LearnerMetrics
 from rlep.services.learner.records import EvalRecord, StepRecord, format_record, read_step_log
@@ -82,13 +82,20 @@ def test_a_step_log_reads_back_as_the_records_written(tmp_path):
 def test_every_gauge_is_a_record_field_and_shows_the_last_record():
     fields = {f.name for f in dataclasses.fields(StepRecord)}
     assert set(STEP_GAUGES) <= fields
-    metrics = LearnerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry)
     metrics.record(step_record())
     assert metrics.gauges["replay_used"]._value.get() == 3
     assert metrics.step_seconds.labels("train")._value.get() == 2.5
-    eval_gauge = metrics.gauges["eval_accuracy"]
-    assert eval_gauge._value.get() == 0.0  # a step without an evaluation leaves it alone
+    # No evaluation yet (periodic eval off, or not its step): the series is absent, not 0.0.
+    assert registry.get_sample_value("rlep_learner_eval_accuracy") is None
+    assert b"rlep_learner_eval_accuracy" not in generate_latest(registry)
     metrics.record(EvalRecord(step=0, policy_version=9, eval_accuracy=0.3))
-    assert (eval_gauge._value.get(), metrics.gauges["policy_version"]._value.get()) == (0.3, 9)
+    assert registry.get_sample_value("rlep_learner_eval_accuracy") == 0.3
+    assert metrics.gauges["policy_version"]._value.get() == 9
     assert metrics.gauges["replay_used"]._value.get() == 3
     assert metrics.phase_seconds.labels("train")._value.get() == 2.5  # counted once, by the step
+    metrics.record(step_record(step=4))  # a step without an evaluation leaves the last one shown
+    assert registry.get_sample_value("rlep_learner_eval_accuracy") == 0.3
+    metrics.record(step_record(step=5, eval_accuracy=0.0))
+    assert registry.get_sample_value("rlep_learner_eval_accuracy") == 0.0  # a measured 0 is shown

@@ -114,3 +114,31 @@ def test_parquet_with_candidates_seeds_a_pool_with_every_worked_solution(tmp_pat
         texts = by_question[question_id(problem_messages(problem))]
         assert texts == solution_paths(problem) and len(texts) > 1
         assert all(is_correct(text, problem) for text in texts)
+
+
+class _CountingReplay:
+    """Takes an import's chunks and answers like the replay service (`rejected` rows as told)."""
+
+    def __init__(self, rejected: int = 0):
+        self.rejected = rejected
+
+    def import_chunks(self, chunks):
+        from types import SimpleNamespace
+
+        added = sum(len(chunk.trajectories) for chunk in chunks)
+        return SimpleNamespace(added=added, duplicate=0, rejected=self.rejected)
+
+
+def test_seeding_a_pool_is_logged_as_information_and_rejected_rows_as_a_warning(tmp_path, caplog):
+    """Seeding is the normal start of a run on such a file (INFO); only rows the pool refused are a WARNING."""
+    import logging
+
+    from rlep.services.learner.pool_seed import seed_pool_from_candidates
+
+    seeded = write_parquet(make_problems(4, seed=1, split="train"), tmp_path / "seeded.parquet", with_candidates=True)
+    with caplog.at_level(logging.INFO, logger="rlep.services.learner.pool_seed"):
+        added = seed_pool_from_candidates(_CountingReplay(), "p", [seeded])
+        seed_pool_from_candidates(_CountingReplay(rejected=2), "p", [seeded])
+    normal, refused = [r for r in caplog.records if "seeded from seeded.parquet" in r.getMessage()]
+    assert added > 0 and normal.levelno == logging.INFO and f"{added} added" in normal.getMessage()
+    assert refused.levelno == logging.WARNING and "2 rejected" in refused.getMessage()

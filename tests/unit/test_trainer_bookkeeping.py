@@ -1,0 +1,234 @@
+"""A run's bookkeeping around its steps, over scripted services and a policy that trains nothing: the step numbers
+its warnings name, policy versions across `--resume`, what a checkpoint records and how many stay on disk.
+
+The services answer from a script (a sample is right or wrong by its text) and the policy keeps its "checkpoints"
+in memory beside marker files, so the trainer's own logic runs as in a real run (tests/integration/
+test_learner_loop.py runs the same with DeepSpeed, vLLM, the verifier and Redis).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlep.common.dataset import Question
+from rlep.common.policy_info import POLICY_FILE, policy_version_of
+from rlep.common.tiny_model import ModelSpec, cached_model
+from rlep.common.types import FinishReason, Verdict
+from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.generation import ServiceClients
+from rlep.services.learner.records import read_step_log
+from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.trainer import Trainer
+from rlep.services.rollout.client import PushResult, ReplicaTarget
+from rlep.services.rollout.types import Completion, SampleOut
+
+SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
+QUESTIONS = [Question(f"q{i}", (("user", f"{i}+1=?"),), str(i + 1)) for i in range(4)]
+
+
+class ScriptedRollout:
+    """One replica: half of a question's samples say "right", stamped with the version it serves (the last push)."""
+
+    failovers = 0
+
+    def __init__(self, served: int = 0):
+        self.served, self.pushed = served, []
+        self.frozen: int | None = None  # set: samples say this version, as from a replica stuck on it
+
+    def generate(self, prompts, sampling):
+        texts = ["right" if i % 2 == 0 else "wrong" for i in range(sampling.n)]
+        version = self.served if self.frozen is None else self.frozen
+        samples = [SampleOut([3, 4], t, [-0.1, -0.2], FinishReason.STOP, version) for t in texts]
+        return [Completion(list(ids), list(samples)) for ids in prompts]
+
+    def versions(self) -> list[int]:
+        return [self.served]
+
+    def max_model_len(self) -> int:
+        return 256
+
+    def target(self, replicas=None):
+        return ReplicaTarget(("scripted",), None, 1.0)
+
+    def take_push_result(self, result) -> None:
+        assert result.version > self.served, "a replica refuses a version that is not newer"
+        self.served = result.version
+        self.pushed.append(result.version)
+
+    def refresh(self) -> None: ...
+
+    def check(self) -> list:
+        return []
+
+    def set_serving(self, replicas) -> None: ...
+
+    def serving(self) -> list:
+        return ["scripted"]
+
+
+class Outcome:
+    def __init__(self, correct: bool):
+        self.verdict = Verdict.CORRECT if correct else Verdict.WRONG
+        self.reward = 1.0 if correct else -1.0
+
+
+class ScriptedVerifier:
+    def verify(self, items):
+        return [Outcome(text == "right") for text, _ in items]
+
+
+class EmptyReplay:
+    """A pool without the step's questions: every step gets no replayed answer (and warns)."""
+
+    def sample(self, pool, question_ids, m, strategy, seed):
+        return {}
+
+
+class MemoryPolicy:
+    """Trains nothing; `save_checkpoint` keeps the client state in memory and writes the files DeepSpeed would
+    (`latest`, a file in the tag directory), `save_hf` a weights file, so retention and resume see a real layout."""
+
+    def __init__(self):
+        self.saved: dict[str, dict] = {}
+
+    def logprobs(self, batch):
+        return torch.zeros(batch.loss_mask.shape)
+
+    def update(self, batch, rows_per_mini_batch):
+        stats = dict.fromkeys(("clip_fraction", "approx_kl", "entropy", "loss"), 0.0)
+        return {**stats, "lr": 1e-3, "optimizer_steps": 1.0}
+
+    def push_weights(self, target, version, sync):
+        return PushResult(version, target.addresses)
+
+    def rng_state(self):
+        return {}
+
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict) -> None:
+        (directory / tag).mkdir(parents=True)
+        (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"0" * 64)
+        (directory / "latest").write_text(tag)
+        self.saved[tag] = client_state
+
+    def save_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        out_dir.mkdir(parents=True)
+        (out_dir / "model.safetensors").write_bytes(b"0" * 32)
+
+    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict:
+        return self.saved[tag or (directory / "latest").read_text()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    model = cached_model(SMALL)  # built once, then read from ~/.cache/rlep/models
+    return PolicyTokenizer.load(model, max_prompt_tokens=64, max_response_tokens=16)
+
+
+def make_trainer(tokenizer, policy, rollout, tmp_path: Path, steps: int, algorithm=None, **checkpoint) -> Trainer:
+    config = TrainConfig.model_validate(
+        {
+            "run_id": "bookkeeping",
+            "seed": 2,
+            "steps": steps,
+            "replay_pool": "empty",
+            "algorithm": {
+                "questions_per_step": 2,
+                "fresh_per_question": 2,
+                "replayed_per_question": 1,
+                "mini_batch_questions": 2,
+                "max_response_tokens": 16,
+                "overlong_buffer_tokens": 0,
+                **(algorithm or {}),
+            },
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), **checkpoint},
+        }
+    )
+    services = ServiceClients(rollout=rollout, verifier=ScriptedVerifier(), replay=EmptyReplay())
+    return Trainer(config, Path(tokenizer.tokenizer.name_or_path), QUESTIONS, policy, services, tokenizer)
+
+
+def test_a_warning_names_the_step_its_record_names(tokenizer, tmp_path, caplog):
+    """One numbering: the first step's record says step 1, and so does its warning (it said step 0)."""
+    trainer = make_trainer(tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path, steps=2, every_steps=10)
+    trainer.start()
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlep.services.learner"):
+            record = trainer.train_step()
+        (message,) = [r.getMessage() for r in caplog.records if "got no replayed answer" in r.getMessage()]
+        assert f"but step {record.step} got no replayed answer" in message
+
+
+def test_staleness_messages_name_the_step_being_trained(tokenizer, tmp_path, caplog):
+    """max_staleness=1 and a replica stuck on version 1: the third step drops its samples and then refuses to
+    train; both say step 3, the number its record would have had."""
+    rollout = ScriptedRollout()
+    overlap = {"max_staleness": 1, "replayed_per_question": 0}
+    trainer = make_trainer(tokenizer, MemoryPolicy(), rollout, tmp_path, steps=4, algorithm=overlap, every_steps=10)
+    trainer.start()
+    try:
+        trainer.train_step()
+        rollout.frozen = 1
+        assert trainer.train_step().step == 2  # samples of version 1 train version 2: one stale, allowed
+        refused = pytest.raises(RuntimeError, match=r"^step 3: every fresh sample is staler than max_staleness=1")
+        with caplog.at_level(logging.WARNING, logger="rlep.services.learner"), refused:
+            trainer.train_step()
+    finally:
+        trainer.close()
+    dropped = [r.getMessage() for r in caplog.records if "staler than max_staleness" in r.getMessage()]
+    assert dropped and all(m.startswith("step 3: ") for m in dropped)
+
+
+def test_policy_versions_keep_growing_across_a_resume(tokenizer, tmp_path):
+    """A run checkpoints after step 2 and dies after step 3; resumed on freshly started replicas (which serve version
+    0), its next step is numbered above every version logged before, and every checkpoint records its version."""
+    policy = MemoryPolicy()
+    first = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=4, every_steps=2)
+    first.start()
+    before = [first.train_step() for _ in range(3)]
+    assert [r.policy_version for r in before] == [2, 3, 4]  # 1 is the start's push
+    assert policy.saved["step_2"]["policy_version"] == 3
+    hf = tmp_path / "ckpt" / "step_2" / "hf"
+    assert json.loads((hf / POLICY_FILE).read_text()) == {"run_id": "bookkeeping", "step": 2, "policy_version": 3}
+    assert policy_version_of(hf) == 3
+
+    rollout = ScriptedRollout(served=0)  # the stack was restarted too
+    resumed = make_trainer(tokenizer, policy, rollout, tmp_path, steps=4, every_steps=2)
+    resumed.start(resume=True)
+    after = [resumed.train_step() for _ in range(2)]
+
+    assert [r.step for r in after] == [3, 4]
+    logged = [r.policy_version for r in read_step_log(tmp_path / "ckpt" / "log.jsonl")]
+    assert logged == [2, 3, 4, 6, 7]  # 5: the resumed run's first push, above the lost step 3's 4
+    assert rollout.pushed == [5, 6, 7]
+    assert policy.saved["step_4"]["policy_version"] == 7 == policy_version_of(tmp_path / "ckpt" / "step_4" / "hf")
+
+
+def test_resume_starts_above_the_checkpoint_without_a_step_log(tokenizer, tmp_path):
+    """Only the checkpoint knows the version (the log went elsewhere): still above it."""
+    policy = MemoryPolicy()
+    first = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=2, every_steps=2)
+    first.start()
+    first.train_step(), first.train_step()
+    (tmp_path / "ckpt" / "log.jsonl").unlink()
+    resumed = make_trainer(tokenizer, policy, ScriptedRollout(served=0), tmp_path, steps=3, every_steps=2)
+    resumed.start(resume=True)
+    assert resumed.version == 3 + 1 and resumed.train_step().policy_version == 5
+
+
+def test_keep_last_bounds_the_checkpoints_on_disk(tokenizer, tmp_path):
+    """Every step checkpoints; keep_last=2 leaves the two newest step directories, HF exports included."""
+    trainer = make_trainer(tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path, steps=5, every_steps=1, keep_last=2)
+    trainer.start()
+    ckpt = tmp_path / "ckpt"
+    for step in range(1, 6):
+        trainer.train_step()
+        kept = sorted(p.name for p in ckpt.glob("step_*"))
+        assert kept == [f"step_{s}" for s in range(max(1, step - 1), step + 1)]
+    assert all((ckpt / tag / "hf" / "model.safetensors").exists() for tag in ("step_4", "step_5"))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["generations.jsonl", "latest", "log.jsonl", "step_4", "step_5"]
