@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,27 @@ from rlep.common.ports import free_port  # noqa: F401 - tests import it from her
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_DATA = REPO_ROOT / "tests" / "data"  # small slices of public data sets, see its README.md
+
+
+# pytest-timeout (600 s, `--timeout` in pyproject.toml) fails a slow test with SIGALRM, whose handler runs only when
+# the main thread is back in Python. A test stuck in native code (a C++ wait, a deadlocked lock) never gets there and
+# would hold the whole run until CI's limit: this watchdog thread dumps every thread's stack and ends the run instead.
+HANG_EXIT_S = 900
+_real_stderr: int | None = None
+
+
+def pytest_configure(config):
+    global _real_stderr
+    _real_stderr = os.dup(2)  # before output capture replaces fd 2 for the tests
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HANG_EXIT_S, exit=True, file=_real_stderr or 2)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,12 +76,16 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf) -> Path:
-    """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` and
-    cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
+    """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` (the
+    command a user runs) and cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
+    from typer.testing import CliRunner
+
     from rlep.common.tiny_model import default_cache_dir
-    from rlep.services.cli.model_import import PROVENANCE_FILE, import_model
+    from rlep.services.cli.app import app
+    from rlep.services.cli.model_import import PROVENANCE_FILE
 
     target = default_cache_dir() / "smollm2-135m-instruct"
     if not (target / PROVENANCE_FILE).exists():
-        import_model(smollm2_gguf, target, force=True, show_progress=False)
+        result = CliRunner().invoke(app, ["model", "import", str(smollm2_gguf), str(target), "--force"])
+        assert result.exit_code == 0, result.output
     return target

@@ -215,6 +215,15 @@ def eval_command(
     server: Annotated[str, typer.Option(help="Base URL of the eval service.")] = "http://127.0.0.1:8080",
     auth_token_file: Annotated[Path | None, typer.Option(help="Bearer token file of the eval service.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the finished job as JSON instead of a table.")] = False,
+    samples: Annotated[
+        Path | None,
+        typer.Option(
+            "--samples",
+            dir_okay=False,
+            help="Once the job has ended, write every response (prompt, response, extracted answer, verdict, "
+            "truncated) to this JSONL file.",
+        ),
+    ] = None,
 ) -> None:
     """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N.
 
@@ -235,7 +244,7 @@ def eval_command(
         )
     except ValidationError as err:
         raise typer.BadParameter(str(err)) from err
-    run_eval(server, auth_token_file, request, as_json=as_json)
+    run_eval(server, auth_token_file, request, as_json=as_json, samples_file=samples)
 
 
 from rlep.services.cli.train import register as _register_learner_commands  # noqa: E402 - typer only, light

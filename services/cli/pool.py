@@ -59,6 +59,11 @@ def list_pools(address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt 
             typer.echo(name)
 
 
+# The replay service counts a success's token ids, or its whitespace-separated words when it has none (a pool
+# imported from RLEP's released format holds text only): the label says both.
+LENGTH_LABEL = "response length (tokens, or words without token ids)"
+
+
 @pool_app.command("stats")
 def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
     """Questions, trajectories, per-question counts, lengths and versions of a pool, as tables."""
@@ -72,7 +77,7 @@ def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: Tok
     for label, value in (
         ("questions", s.questions),
         ("trajectories", s.trajectories),
-        ("response tokens (mean ± std)", f"{s.mean_response_tokens:.1f} ± {s.std_response_tokens:.1f}"),
+        (LENGTH_LABEL + " (mean ± std)", f"{s.mean_response_tokens:.1f} ± {s.std_response_tokens:.1f}"),
         ("payload bytes", f"{s.payload_bytes:,}"),
         ("redis used memory", f"{s.redis_used_memory_bytes:,}"),
         ("capacity per question", s.capacity_per_question),
@@ -82,7 +87,7 @@ def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: Tok
     console.print(summary)
     for title, buckets in (
         ("successes per question", s.successes_per_question),
-        ("response tokens", s.response_token_histogram),
+        (LENGTH_LABEL, s.response_token_histogram),
         ("policy version", s.per_policy_version),
     ):
         table = Table(title=title)

@@ -53,6 +53,7 @@ def run_training(
     services = stack.services if not own_stack else stack.start(algo.replayed_per_question > 0 or algo.online_replay)
     if services.replay is not None and algo.replayed_per_question > 0 and config.data.seed_pool_from_candidates:
         seed_pool_from_candidates(services.replay, config.replay_pool, config.data.train_files)
+    say_dtypes(config, services.rollout)
     policy = RayPolicy(model_dir, config)
     metrics_server = _start_metrics(config)
     trainer, sinks = None, []
@@ -106,6 +107,26 @@ def run_training(
             metrics_server[0].stop()
         if own_stack:
             stack.close()
+
+
+LEARNER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def dtypes_line(learner: str, rollout: set[str]) -> tuple[int, str]:
+    """(log level, the line): which dtype each side runs in, and a warning when they differ."""
+    served = "/".join(sorted(rollout - {""})) or "unknown"
+    line = f"dtypes: the learner trains in {learner}, the rollout replicas sample in {served}"
+    if served in (learner, "unknown"):
+        return logging.INFO, line
+    return logging.WARNING, (
+        f"{line}: the sampled logprobs come from a {served} copy of the policy, a train/inference mismatch "
+        f"(set local.rollout_engine.dtype={learner} to sample in {learner}, at its cost in speed and memory)"
+    )
+
+
+def say_dtypes(config: TrainConfig, rollout) -> None:
+    level, line = dtypes_line(LEARNER_DTYPES[config.deepspeed.dtype], {s.dtype for s in rollout.status()})
+    log.log(level, "%s", line)
 
 
 def _start_metrics(config: TrainConfig):

@@ -2,6 +2,10 @@
 Serve deployment, verifier and replay as Ray actors (the replay one with its embedded Redis) — on the Ray
 instance it finds (`ray.init()` locally, or `--ray-address` for a cluster). Services given as addresses
 (Kubernetes, a shared deployment) are used as they are.
+
+Replicas started here serve `model_dir` as the policy version it records (`rlep-policy.json`, written beside a
+trained checkpoint's HF export; 0 for a base model), so a rollout started from a trained checkpoint reports that
+checkpoint's version, and a replica Ray Serve restarts comes back at it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlep.common.files import read_token_file
+from rlep.common.policy_info import policy_version_of
 from rlep.common.ports import free_port
 from rlep.services.cli.errors import UserError
 from rlep.services.learner.config import TrainConfig
@@ -98,7 +103,8 @@ class ServiceStack:
         replay = None
         if need_replay:
             replay_address = endpoints.replay or self._start_actor(
-                "replay", {"redis_url": local.replay_redis_url, "server": auth}
+                "replay",
+                {"redis_url": local.replay_redis_url, "local_redis_dir": str(local.replay_redis_dir), "server": auth},
             )
             replay = ReplayClient(replay_address, token=self.token, outage_s=endpoints.service_outage_s)
             self.addresses["replay"] = replay_address
@@ -121,7 +127,7 @@ class ServiceStack:
 
         local = self.config.local
         engine = local.rollout_engine.model_copy(update={"model": str(self.model_dir)})
-        config = RolloutConfig(engine=engine, server=auth or {})
+        config = RolloutConfig(engine=engine, server=auth or {}, initial_version=policy_version_of(self.model_dir))
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         serve.run(
             build_app(

@@ -28,20 +28,31 @@ def load_train_config(config: Path | None, sets: list[str] | None, flags: dict |
         raise config_error(err, TrainConfig) from err
 
 
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def model_problem(model: str) -> str | None:
-    """What is wrong with `model` and the fix, when it is neither a preset nor an HF checkpoint directory here."""
+    """What is wrong with `model` and the fix, when it is neither a preset nor an HF checkpoint directory here
+    (config.json, weights and a tokenizer)."""
     from rlep.common.tiny_model import PRESETS
 
     path = Path(model)
-    if model in PRESETS or (path / "config.json").is_file():
+    if model in PRESETS:
         return None
     presets = ", ".join(PRESETS)
     if path.is_file() and path.suffix == ".gguf":
         problem = "is a GGUF file; turn it into an HF directory with `rlep model import`"
-    elif path.is_dir():
-        problem = "has no config.json, so it is not an HF checkpoint directory"
-    else:
+    elif not path.is_dir():
         problem = "does not exist"
+    elif not (path / "config.json").is_file():
+        problem = "has no config.json, so it is not an HF checkpoint directory"
+    elif not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        problem = f"has no weights ({' or '.join(WEIGHT_FILES)})"
+    elif not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problem = f"has no tokenizer ({', '.join(TOKENIZER_FILES)})"
+    else:
+        return None
     return (
         f"model `{model}` {problem}\n"
         f"give an HF checkpoint directory (`rlep model import` makes one from a GGUF file) or a preset: {presets}"
@@ -53,7 +64,9 @@ def check_train_files(files: list[Path], read_schema: bool = True) -> None:
     from rlep.common.dataset import DatasetError, read_verl_parquet
 
     if not files:
-        raise UserError("no training data given; pass --config with data.train_files, or --set data.train_files=[FILE]")
+        raise UserError(
+            "no training data given; pass --data FILE (a verl parquet), or a --config with data.train_files"
+        )
     for path in files:
         if not path.is_file():
             raise UserError(f"training file {path} does not exist; fix data.train_files")
@@ -74,23 +87,63 @@ def _require_tracking(config) -> None:
         raise UserError(str(err)) from err
 
 
+ModelOpt = Annotated[str | None, typer.Option(help="HF checkpoint directory or tiny-model preset (config: model).")]
+DataOpt = Annotated[
+    list[Path] | None, typer.Option(help="verl/DAPO parquet of the training questions (config: data.train_files).")
+]
+
+
+def check_paths(config) -> None:
+    """The model and every data file the run reads exist and look right, named when they do not (UserError)."""
+    if problem := model_problem(config.model):
+        raise UserError(problem)
+    check_train_files(config.data.train_files)
+    if config.eval.every_steps:
+        for path in config.eval.files:
+            if not Path(path).is_file():
+                raise UserError(f"eval file {path} does not exist; fix eval.files")
+
+
+def what_will_run(config):
+    """`config` as the run will use it: the replicas it starts serve `model` (the stack puts it there at start)."""
+    started_here = not (config.endpoints.rollout or config.endpoints.rollout_service)
+    if not started_here:
+        return config
+    engine = config.local.rollout_engine.model_copy(update={"model": config.model})
+    return config.model_copy(update={"local": config.local.model_copy(update={"rollout_engine": engine})})
+
+
 def train(
     config: ConfigOpt = None,
+    model: ModelOpt = None,
+    data: DataOpt = None,
+    pool: Annotated[str | None, typer.Option(help="Replay pool of phase-1 successes (config: replay_pool).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Training steps (config: steps).", min=0)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
     ray_address: RayOpt = None,
     set_: SetOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved config, check the model and data paths, and exit.")
+    ] = False,
+    skip_path_checks: Annotated[
+        bool, typer.Option("--skip-path-checks", help="With --dry-run: a config for another machine (a pod's volumes).")
+    ] = False,
 ) -> None:
-    """Train with RLEP (or the M=0 baseline) over rollout, verifier and replay; starts what is not given."""
-    resolved = load_train_config(config, set_)
-    if dry_run:  # the model is not looked for: a dry run also checks configs for another machine (a pod's volumes)
+    """Train with RLEP (or the M=0 baseline) over rollout, verifier and replay; starts what is not given.
+
+    Without --config the defaults are RLEP's paper recipe (512 questions x 16 samples x 3072 tokens per step):
+    `--config configs/train.yaml` sizes it for a CPU machine."""
+    flags = {"model": model, "replay_pool": pool, "steps": steps}
+    flags["data.train_files"] = [str(p) for p in data] if data else None
+    resolved = load_train_config(config, set_, flags)
+    if dry_run:
         from rlep.common.config import dump_config_json
 
-        typer.echo(dump_config_json(resolved))
+        typer.echo(dump_config_json(what_will_run(resolved)))
+        if not skip_path_checks:
+            check_paths(resolved)
         return
-    if problem := model_problem(resolved.model):
-        raise UserError(problem)
-    check_train_files(resolved.data.train_files)
+    check_paths(resolved)
     _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.services.cli.run import run_training

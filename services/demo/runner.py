@@ -91,6 +91,8 @@ def demo_train_config(
             "mini_batch_questions": demo.questions_per_step,
         },
         "optim": {"lr": demo.lr},
+        # The demo's pool lives with its other files, not in the Redis a user's own runs share.
+        "local": {"replay_redis_dir": str((demo.out_dir / "redis").resolve())},
         "checkpoint": {"dir": str(demo.out_dir / run_id), "every_steps": demo.steps},
         "data": {"train_files": [str(data)]},
         "eval": {

@@ -56,7 +56,7 @@ def checked_command(container: dict) -> list[str]:
     if not command:
         return RAY_NODE_CHECK
     if command[0] == "sh":  # the learner's start-up script ends in `exec rlep train ... "$@"`
-        return [*command, "sh", "--dry-run"]
+        return [*command, "sh", "--dry-run", "--skip-path-checks"]  # /models is an empty stand-in here
     return [*command, "--help" if command[0] == "python" else "--dry-run"]
 
 

@@ -52,6 +52,8 @@ def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
         assert f"added {candidates}, duplicate 0, rejected 0" in imported.stdout
         stats = run("pool", "stats", "rlep-ref", "-a", address).stdout
         assert "│ questions" in stats and f"│ {candidates} " in stats
+        # imported text has no token ids: its lengths are words, and the table says so (issue 32, item 10)
+        assert "response length (tokens, or words without token ids)" in " ".join(stats.split())
         assert "rlep-ref" in run("pool", "list", "-a", address).stdout
         run("pool", "export", "rlep-ref", str(tmp_path / "out.parquet"), "-a", address)
         exported = {r["extra_info"]["question_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}

@@ -1,9 +1,11 @@
 """A real pretrained model end to end on CPU: SmolLM2-135M-Instruct (BPE, 49k vocabulary, chat template).
 
-The user's path of issue 11, in miniature: the model converted by `rlep model import` and served by
-the rollout service; RLEP's released pool format (text-only candidates, `data_source: dapo_math`)
-imported with `rlep pool import`; `rlep train` on DAPO-17k rows (`data_source: DAPO-17k`) for two
-RLEP steps against those services; then `rlep collect` from the trained checkpoint.
+The newcomer's path (issues 11 and 32), in miniature and with no config file written by hand: the model converted
+by `rlep model import` (the `smollm2_dir` fixture runs the command) and served by the rollout service; RLEP's
+released pool format (text-only candidates, `data_source: dapo_math`) imported with `rlep pool import`;
+`rlep train --model … --data … --pool … --steps 2` on DAPO-17k rows (`data_source: DAPO-17k`) against those
+services, sized by `--set`; `rlep collect` from the trained checkpoint; `rlep eval … --samples` through an eval
+service sampling from the trained policy.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from rlep.common.config import ServerConfig
@@ -56,14 +57,62 @@ def smollm2_rollout(smollm2_dir, auth_token_file):
     running.stop()
 
 
+def as_sets(config: dict, prefix: str = "") -> list[str]:
+    """`--set key.path=value` flags for every leaf of `config` (lists as JSON, which the YAML parser reads)."""
+    flags = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flags += as_sets(value, f"{prefix}{key}.")
+        else:
+            flags += ["--set", f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}"]
+    return flags
+
+
 def run_cli(*args: str) -> str:
     result = CliRunner().invoke(app, list(args), catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result.output
 
 
+def evaluate_with_samples(rollout: str, verifier, redis_url: str, auth_token_file, tmp_path) -> list[dict]:
+    """`rlep eval --samples` through an eval service over the trained replicas: the responses, read back."""
+    from rlep.services.eval.config import EvalConfig
+    from rlep.services.eval.main import start_eval
+
+    token = {"auth_token_file": str(auth_token_file)}
+    config = EvalConfig.model_validate(
+        {
+            "server": {"port": 0, **token},
+            "redis_url": redis_url,
+            "key_prefix": f"rlep:eval:e2e-{uuid.uuid4().hex[:8]}:",
+            "rollout": {"addresses": [rollout], **token},
+            "verifier": {"address": f"127.0.0.1:{verifier.port}", **token},
+        }
+    )
+    running = start_eval(config)
+    out = tmp_path / "eval-samples.jsonl"
+    try:
+        shown = run_cli(
+            "eval", "--server", running.url, "--auth-token-file", str(auth_token_file), "--model", "current",
+            "--datasets", "gsm8k:2", "--n", "2", "--max-tokens", "32", "--samples", str(out),
+        )  # fmt: skip
+    finally:
+        running.stop()
+    assert "truncated" in shown
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 def test_rlep_on_a_released_pool_with_a_pretrained_model(
-    ray_local, smollm2_dir, smollm2_rollout, verifier, replay, replay_client, auth_token_file, dapo_rows, tmp_path
+    ray_local,
+    smollm2_dir,
+    smollm2_rollout,
+    verifier,
+    replay,
+    replay_client,
+    redis_url,
+    auth_token_file,
+    dapo_rows,
+    tmp_path,
 ):
     from rlep.common.types import Verdict
     from rlep.services.learner.config import TrainConfig
@@ -123,10 +172,10 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
         },
         "local": {"learner_cpus": 1.0},
     }
-    config_file = tmp_path / "train.yaml"
-    config_file.write_text(yaml.safe_dump(config))
+    named = {"model": str(smollm2_dir), "data": str(train_file), "pool": pool, "steps": "2"}
+    sizes = as_sets({k: v for k, v in config.items() if k not in ("model", "data", "replay_pool", "steps")})
     started = time.perf_counter()
-    run_cli("train", "--config", str(config_file))
+    run_cli("train", *[a for name, value in named.items() for a in (f"--{name}", value)], *sizes)
     train_seconds = time.perf_counter() - started
 
     records = read_step_log(tmp_path / "ckpt" / "log.jsonl")
@@ -177,10 +226,13 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     ).read_text()
     run_cli(
         "collect", "--model", str(checkpoint), "--data", str(train_file), "--pool", f"{pool}-collect",
-        "--n", "2", "--max-tokens", "32", "--min-successes", "1", "--config", str(config_file),
+        "--n", "2", "--max-tokens", "32", "--min-successes", "1", *sizes,
         "--state-file", str(tmp_path / "collect-state.json"),
     )  # fmt: skip
     assert json.loads((tmp_path / "collect-state.json").read_text())["questions"] == QUESTIONS
+    eval_samples = evaluate_with_samples(smollm2_rollout, verifier, redis_url, auth_token_file, tmp_path)
+    assert len(eval_samples) == 4  # 2 questions x n=2, each with what a person needs to see why it scored so
+    assert all(s["verdict"] in {v.value for v in Verdict} and "extracted_answer" in s for s in eval_samples)
     print(f"\nSmolLM2-135M: rlep train, 2 RLEP steps: {train_seconds:.0f} s in all; step seconds "
           f"{[round(r.step_seconds, 1) for r in records]}")  # fmt: skip
     rollout.close()

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -106,14 +107,16 @@ def test_demo_refuses_bad_settings(args, message):
 
 
 def test_train_dry_run_reads_overrides():
-    result = runner.invoke(app, ["train", "--set", "algorithm.replayed_per_question=0", "--dry-run"])
+    result = runner.invoke(
+        app, ["train", "--set", "algorithm.replayed_per_question=0", "--dry-run", "--skip-path-checks"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["algorithm"]["replayed_per_question"] == 0
 
 
 def test_train_dry_run_masks_the_replay_redis_password():
     url = "redis://:s3cret-pw@redis.example:6379/0"
-    result = runner.invoke(app, ["train", "--set", f"local.replay_redis_url={url}", "--dry-run"])
+    result = runner.invoke(app, ["train", "--set", f"local.replay_redis_url={url}", "--dry-run", "--skip-path-checks"])
     assert result.exit_code == 0, result.output
     assert "s3cret-pw" not in result.output
     assert json.loads(result.output)["local"]["replay_redis_url"] == "redis://:***@redis.example:6379/0"
@@ -139,7 +142,7 @@ def test_eval_options_left_out_take_the_request_defaults(monkeypatch):
     from rlep.services.eval.api import DatasetRequest, EvaluationRequest
 
     sent = []
-    monkeypatch.setattr(eval_cli, "run_eval", lambda server, token, request, as_json: sent.append(request))
+    monkeypatch.setattr(eval_cli, "run_eval", lambda server, token, request, **options: sent.append(request))
     base = ["eval", "--model", "current", "--datasets", "amc23"]
     assert runner.invoke(app, base).exit_code == 0
     assert runner.invoke(app, [*base, "--n", "4", "--temperature", "1.0", "--seed", "7"]).exit_code == 0
@@ -173,6 +176,8 @@ def test_demo_runs_take_the_shared_settings_and_differ_only_in_m_and_names(tmp_p
         assert config["optim"] == {**config["optim"], "lr": 1e-4, "warmup_steps": 2, "micro_batch_size": 64}
         assert config["algorithm"]["overlong_buffer_tokens"] == 8 and config["algorithm"]["mini_batch_questions"] == 16
         assert config["local"]["rollout_engine"]["dtype"] == "float32" and config["local"]["rollout_cpus"] == 0.5
+        # its own Redis beside its files: a demo never collides with (or writes into) the one a user's runs share
+        assert config["local"]["replay_redis_dir"] == (tmp_path / "redis").resolve()
         assert (config["steps"], config["eval"]["every_steps"], config["eval"]["temperature"]) == (100, 5, 1.0)
     for key in ("run_id", "checkpoint", "algorithm"):
         del baseline[key], rlep[key]
@@ -187,3 +192,59 @@ def test_proto_commands_without_grpcio_tools_say_what_to_install(monkeypatch):
         assert result.exit_code == 2, result.output
         assert "needs grpcio-tools: pip install 'rlep[proto]'" in result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def tiny_training_file(tmp_path: Path) -> Path:
+    from rlep.services.demo.task import make_problems, write_parquet
+
+    path = tmp_path / "train.parquet"
+    write_parquet(make_problems(4, 0, "train"), path)
+    return path
+
+
+def test_train_flags_reach_the_config_and_dry_run_shows_the_model_the_replicas_serve(tmp_path):
+    """Issue 32: `rlep train` had none of collect's flags, and --dry-run showed rollout_engine.model "tiny" with
+    `model:` set elsewhere (the stack replaced it at run time)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    data = tiny_training_file(tmp_path)
+    args = ["train", "--model", str(model), "--data", str(data), "--pool", "p1", "--steps", "3", "--dry-run"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert (shown["model"], shown["replay_pool"], shown["steps"]) == (str(model), "p1", 3)
+    assert shown["data"]["train_files"] == [str(data)]
+    assert shown["local"]["rollout_engine"]["model"] == str(model)
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        (None, "does not exist"),
+        ([], "has no config.json"),
+        (["config.json"], "has no weights"),
+        (["config.json", "model.safetensors"], "has no tokenizer"),
+    ],
+)
+def test_train_dry_run_names_a_model_that_cannot_run(tmp_path, files, problem):
+    """Issue 32: `--set model=models/nope --dry-run` exited 0; the real run failed 100 s later without naming it."""
+    model = tmp_path / "nope"
+    if files is not None:
+        model.mkdir()
+        for name in files:
+            (model / name).write_text("{}")
+    result = runner.invoke(
+        app, ["train", "--model", str(model), "--data", str(tiny_training_file(tmp_path)), "--dry-run"]
+    )
+    assert result.exit_code == 2
+    assert f"model `{model}` {problem}" in " ".join(result.output.split())
+
+
+def test_train_dry_run_names_missing_data_in_one_line(tmp_path):
+    result = runner.invoke(app, ["train", "--dry-run"])
+    assert result.exit_code == 2 and "error: no training data given; pass --data FILE" in result.output
+    missing = tmp_path / "gone.parquet"
+    result = runner.invoke(app, ["train", "--data", str(missing), "--dry-run"])
+    assert result.exit_code == 2 and f"training file {missing} does not exist" in " ".join(result.output.split())

@@ -97,3 +97,37 @@ def test_architecture_names_every_package_module():
     modules = [m for pkg in [*packages, REPO / "rlep_common"] for m in pkg.glob("*.py") if m.stem != "__init__"]
     assert len(modules) > 80
     assert not [str(m.relative_to(REPO)) for m in modules if m.stem not in named]
+
+
+def test_the_ports_table_is_what_code_configs_compose_and_chart_use():
+    """Issue 32: the table called 9461-9464 default ports while `rlep serve` started no /metrics. Now: the gRPC
+    column is the code's default, the /metrics column what configs/, compose and the chart set, and the code's
+    default is off, as the page says."""
+    import yaml
+
+    from rlep.services.eval.config import EvalConfig
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.replay.config import ReplayConfig
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.verifier.config import VerifierConfig
+
+    rows = {
+        cells[0]: cells
+        for line in (REPO / "docs" / "services.md").read_text().splitlines()
+        if line.startswith("| ") and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 6
+    }
+    compose = (REPO / "docker-compose.yml").read_text()
+    chart = (REPO / "deploy/helm/rlep/templates/networkpolicy.yaml").read_text()
+    chart_ports = dict(re.findall(r'"(\w+)" (\d+)', re.search(r"\$metricsPorts := dict (.*) }}", chart).group(1)))
+    for service, config in {"verifier": VerifierConfig(), "replay": ReplayConfig(), "rollout": RolloutConfig()}.items():
+        grpc_port, metrics_port = rows[service][2], rows[service][3]
+        assert grpc_port == str(config.server.port), service
+        assert config.server.metrics_port is None, f"{service}: the page says /metrics is off unless set"
+        configured = yaml.safe_load((REPO / "configs" / f"{service}.yaml").read_text())["server"]["metrics_port"]
+        assert metrics_port == str(configured) == chart_ports[service], service
+        assert f"--metrics-port={metrics_port}" in compose, service
+    assert TrainConfig().metrics_port is None
+    learner_port = yaml.safe_load((REPO / "configs" / "train.yaml").read_text())["metrics_port"]
+    assert rows["learner"][3] == str(learner_port) == chart_ports["learner"]
+    assert f"metrics_port={learner_port}" in compose
+    assert rows["eval"][2].startswith(str(EvalConfig().server.port)) and chart_ports["eval"] == "8080"

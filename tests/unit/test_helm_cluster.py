@@ -104,6 +104,11 @@ def test_rendered_train_config_passes_rlep_train_dry_run_and_finds_its_data(docs
     (tmp_path / "token").write_text("x\n")
     for file in files:  # the data volume, with a tiny training set on it
         write_parquet(make_problems(8, 0, "train"), Path(map_paths(file, tmp_path)))
+    if "model" in rendered:  # the model volume, with what --dry-run looks for in an HF directory
+        model = Path(map_paths(rendered["model"], tmp_path))
+        model.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (model / name).write_text("{}")
     config = tmp_path / "train.yaml"  # as mounted: the replicas are found through DNS at run time
     config.write_text(map_paths(text, tmp_path))
     result = subprocess.run([str(RLEP), "train", f"--config={config}", "--dry-run"], capture_output=True, text=True)
