@@ -18,6 +18,17 @@ from rlep.services.rollout.client import PushResult, ReplicaTarget, RolloutClien
 from rlep.services.weights.config import WeightSyncConfig
 from rlep.services.weights.transport import setup_weight_transport
 
+# The engine dtypes a push can be cast to (RolloutStatus.dtype names).
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def push_dtype(target: ReplicaTarget, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """The dtype weights travel in: the replicas' engine dtype when they report one (vLLM casts to it on load
+    anyway: casting here sends a float32 learner's weights to bfloat16 replicas in half the bytes, cast once, with
+    the same rounding), else the starting checkpoint's."""
+    return ENGINE_DTYPES.get(target.dtype or "", checkpoint_dtype)
+
+
 # Clients kept per target: the serving set, plus the few subsets that rejoining replicas make.
 MAX_CLIENTS = 4
 

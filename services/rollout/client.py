@@ -51,6 +51,10 @@ class ReplicaTarget:
     addresses: tuple[str, ...]
     token: str | None
     timeout_s: float
+    dtype: str | None = None
+    """The dtype the replicas' engines hold weights in (`RolloutStatus.dtype`, when they all agree): a push is cast
+    to it before it is sent (what vLLM would do on load), so a float32 learner sends bfloat16 replicas half the
+    bytes. None: unknown, pushes keep the starting checkpoint's dtype."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,7 @@ class RolloutClient:
         # Shard attempts that failed on one replica and went on to another (a replica lost mid-call).
         self.failovers = 0
         self._failovers_lock = threading.Lock()
+        self._engine_dtype: str | None = None  # asked once, by the first `target`
 
     def _connect(self, address: str) -> Replica:
         channel = make_channel(address, self._token, max_message_bytes=512 * 1024 * 1024)
@@ -166,7 +171,14 @@ class RolloutClient:
     def target(self, replicas: Sequence[Replica] | None = None) -> ReplicaTarget:
         """The serving replicas (or `replicas`) as a `ReplicaTarget`, for a push made by another process."""
         chosen = replicas if replicas is not None else self.serving()
-        return ReplicaTarget(tuple(r.address for r in chosen), self._token, self._timeout_s)
+        return ReplicaTarget(tuple(r.address for r in chosen), self._token, self._timeout_s, self.engine_dtype())
+
+    def engine_dtype(self) -> str | None:
+        """The dtype every answering replica's engine runs in, or None when they differ or none answers."""
+        if self._engine_dtype is None:
+            dtypes = {s.dtype for _, s in self.check() if s is not None}
+            self._engine_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        return self._engine_dtype
 
     @classmethod
     def from_ray(cls, app_name: str = "rlep-rollout", **kwargs) -> RolloutClient:

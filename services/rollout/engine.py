@@ -282,6 +282,11 @@ class RolloutEngine:
         except Exception as err:  # handed to the caller, who maps it to a status
             _settle(job.future, error=err)
 
+    def _say_casts(self, what: str) -> None:
+        """One line when a push had to be cast (the learner sends the engine's dtype; a checkpoint file may not)."""
+        if line := cast_summary(self._weight_casts(), what):
+            log.info("%s", line)
+
     def _weight_casts(self) -> dict[str, int]:
         """Dtype casts vLLM made loading weights since the last call (the first worker's; all load the same)."""
         return self._llm.collective_rpc("take_weight_casts")[0]
@@ -294,7 +299,7 @@ class RolloutEngine:
         self._check_newer(job.version)
         started = time.perf_counter()
         self._llm.collective_rpc("load_safetensors_file", args=(str(job.path),))
-        log.debug("%s", cast_summary(self._weight_casts(), f"push of version {job.version}"))
+        self._say_casts(f"push of version {job.version}")
         self._llm.reset_prefix_cache()
         self._version = job.version
         if job.behind_generation:
@@ -316,7 +321,7 @@ class RolloutEngine:
             if isinstance(error := self._engine_error(err), EngineUnavailable):
                 raise error from err
             raise BroadcastFailed(f"the weight broadcast failed, version {self._version} still serves: {err}") from err
-        log.debug("%s", cast_summary(self._weight_casts(), f"broadcast of version {job.version}"))
+        self._say_casts(f"broadcast of version {job.version}")
         self._llm.reset_prefix_cache()
         self._version = job.version
         return BroadcastReceipt(time.perf_counter() - started, max(o["peak_bytes"] for o in outcomes))

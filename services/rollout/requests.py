@@ -14,6 +14,7 @@ turns them into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
@@ -29,6 +30,7 @@ from rlep.services.rollout.types import MAX_TEMPERATURE, Sampling, greedy_proble
 from rlep.services.weights.broadcast import DEFAULT_TIMEOUT_S, BroadcastGroup, manifest_bytes, manifest_digest
 from rlep.services.weights.payload import (
     DIGEST_ALGORITHMS,
+    SAFETENSORS_NAMES,
     TensorInfo,
     WeightError,
     WeightSpec,
@@ -170,8 +172,16 @@ class WeightIntake:
     a shared file must be a push payload directly in one of `shared_dirs`; a broadcast push is checked by its manifest.
     """
 
-    def __init__(self, model_path: str | Path, staging_dir: str | Path, shared_dirs: Sequence[str | Path]):
-        self._spec = WeightSpec.from_checkpoint(Path(model_path))
+    def __init__(
+        self,
+        model_path: str | Path,
+        staging_dir: str | Path,
+        shared_dirs: Sequence[str | Path],
+        engine_dtype: str | None = None,
+    ):
+        # Tensors may come in the checkpoint's dtype or in the engine's (`engine_dtype`, torch's name).
+        spec = WeightSpec.from_checkpoint(Path(model_path))
+        self._spec = dataclasses.replace(spec, engine_dtype=SAFETENSORS_NAMES.get(engine_dtype or ""))
         self._max_payload = sum(t.nbytes for t in self._spec.tensors.values()) * 2 + HEADER_SLACK_BYTES
         self._staging_dir, self._shared_dirs = staging_dir, shared_dirs
 

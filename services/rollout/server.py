@@ -83,7 +83,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, engine: RolloutEngine, config: RolloutConfig, metrics: RolloutMetrics):
         self._engine, self._config, self._metrics = engine, config, metrics
         self._prompts = PromptEncoder(engine.tokenizer, engine.vocab_size, engine.max_model_len)
-        self._intake = WeightIntake(engine.model_path, config.staging_dir, config.shared_dirs)
+        self._intake = WeightIntake(engine.model_path, config.staging_dir, config.shared_dirs, engine.dtype)
         self._replica_id = config.replica_id or f"{socket.gethostname()}:{os.getpid()}"
         metrics.weight_version.set(engine.version)
 

@@ -88,6 +88,9 @@ class WeightSpec:
 
     tensors: dict[str, TensorInfo]
     ignorable: frozenset[str] = frozenset()
+    engine_dtype: str | None = None
+    """The engine's dtype (safetensors spelling, e.g. BF16): a floating tensor may come in it instead of the
+    checkpoint's, as the learner sends it (`weight_push.push_dtype`), since the engine holds it so anyway."""
 
     @classmethod
     def from_checkpoint(cls, model_dir: Path) -> WeightSpec:
@@ -115,10 +118,22 @@ class WeightSpec:
             want, got = self.tensors[name], pushed[name]
             if want.shape != got.shape:
                 problems.append(f"{name}: shape {list(got.shape)}, expected {list(want.shape)}")
-            if want.dtype != got.dtype:
-                problems.append(f"{name}: dtype {got.dtype}, expected {want.dtype}")
+            if want.dtype != got.dtype and not self._engine_cast(want.dtype, got.dtype):
+                expected = (
+                    want.dtype
+                    if not self._engine_cast(want.dtype, self.engine_dtype)
+                    else (f"{want.dtype} or {self.engine_dtype}")
+                )
+                problems.append(f"{name}: dtype {got.dtype}, expected {expected}")
         if problems:
             raise WeightError("weights do not fit the model: " + "; ".join(problems[:8]))
+
+    def _engine_cast(self, checkpoint: str, pushed: str | None) -> bool:
+        """Whether a floating checkpoint tensor pushed in the engine's dtype is accepted."""
+        return pushed is not None and pushed == self.engine_dtype and checkpoint in FLOATING_DTYPES
+
+
+FLOATING_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 def checkpoint_state_dict(state_dict: dict[str, torch.Tensor]) -> dict:
@@ -152,6 +167,8 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+# torch's dtype name ("bfloat16", as RolloutStatus.dtype says it) -> safetensors spelling.
+SAFETENSORS_NAMES = {str(dtype).removeprefix("torch."): name for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)

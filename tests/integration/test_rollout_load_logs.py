@@ -9,9 +9,13 @@ import signal
 import subprocess
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rlep.services.learner.collect import push_checkpoint
+from rlep.services.learner.weight_push import WeightPusher, push_dtype
 from rlep.services.rollout.client import RolloutClient
+from rlep.services.weights.config import AutoSyncConfig
 from tests.conftest import free_port
 from tests.integration.test_serve_cli import rlep_command, wait_serving
 
@@ -32,7 +36,16 @@ def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quie
         client = RolloutClient([f"127.0.0.1:{port}"])
         [status] = client.status()
         assert status.dtype == "bfloat16"  # vLLM's `auto` downcasts a float32 checkpoint
-        assert push_checkpoint(client, smollm2_dir) == 1  # a push of the same weights, cast again on load
+        assert push_checkpoint(client, smollm2_dir) == 1  # a push of the float32 file, cast again on load
+        # The learner's push: cast to the engine's dtype before it is sent (half the bytes), loaded as it is.
+        target = client.target()
+        assert target.dtype == "bfloat16" and push_dtype(target, torch.float32) == torch.bfloat16
+        state = load_file(str(smollm2_dir / "model.safetensors"))
+        weights = {name: tensor.to(push_dtype(target, torch.float32)) for name, tensor in state.items()}
+        pusher = WeightPusher()
+        assert pusher.push(weights, target, 2, AutoSyncConfig()).updated == target.addresses
+        pusher.close()
+        assert client.versions() == [2]
         client.close()
     finally:
         proc.send_signal(signal.SIGTERM)  # SIGKILL would orphan its vLLM engine core
@@ -43,3 +56,6 @@ def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quie
     [line] = [line for line in output.splitlines() if "rollout engine runs" in line]
     assert "rollout engine runs bfloat16; weights: weights (start): " in line
     assert "tensors cast float32->bfloat16" in line
+    # One line for the float32 file's push; none for the push already in the engine's dtype.
+    assert sum("weights (push of version 1): " in line for line in output.splitlines()) == 1
+    assert "push of version 2" not in output

@@ -37,6 +37,15 @@ def test_payload_header_round_trip(tmp_path):
     SPEC.check(header)  # fits: no exception
 
 
+def test_a_floating_tensor_may_come_in_the_engines_dtype_and_no_other():
+    import dataclasses
+
+    bf16_engine = dataclasses.replace(SPEC, engine_dtype="BF16")
+    bf16_engine.check({name: TensorInfo("BF16", info.shape) for name, info in SPEC.tensors.items()})
+    with pytest.raises(WeightError, match="norm.weight: dtype F16, expected F32 or BF16"):
+        bf16_engine.check({**SPEC.tensors, "norm.weight": TensorInfo("F16", (4,))})
+
+
 def test_tied_output_layer_may_be_sent_or_not():
     SPEC.check({**SPEC.tensors, "lm_head.weight": TensorInfo("F32", (8, 4))})
 
