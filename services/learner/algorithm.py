@@ -28,6 +28,7 @@ from torch import Tensor
 from rlep.common.types import Group, Trajectory
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KlEstimator = Literal["k1", "k2", "k3"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 # verl clamps the log-ratio before exp() so one wildly off-policy token cannot overflow the ratio.
@@ -163,6 +164,34 @@ def mini_batch_normalizer(loss_mask: Tensor, agg: LossAgg, world_size: int = 1) 
     return max(float(count.item()), 1.0) / world_size
 
 
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KlEstimator) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman, "Approximating KL divergence").
+
+    With d = log pi - log pi_ref: `k1` = d (unbiased, can be negative), `k2` = d^2 / 2 (biased, low variance; its
+    gradient is the one of the true KL), `k3` = exp(-d) - 1 + d (unbiased, non-negative, low variance; GRPO's).
+    d is clamped to +-LOG_RATIO_CLAMP as the PPO ratio is. The gradient flows through `logprobs` only.
+
+    Args:
+        logprobs: `[B, T]` the policy's logprobs of the sampled tokens.
+        ref_logprobs: `[B, T]` the reference policy's logprobs of the same tokens.
+        estimator: `k1`, `k2` or `k3`.
+
+    Returns:
+        `[B, T]` per-token estimates.
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs and ref_logprobs must share a shape, got {tuple(logprobs.shape)}, "
+                         f"{tuple(ref_logprobs.shape)}")  # fmt: skip
+    d = torch.clamp(logprobs - ref_logprobs.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        return torch.exp(-d) - 1.0 + d
+    raise ValueError(f"estimator must be k1, k2 or k3, got {estimator!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -174,6 +203,11 @@ def policy_loss(
     agg: LossAgg = "token-mean",
     normalizer: float | None = None,
     token_weights: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KlEstimator = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO's clipped policy-gradient loss with dual-clip (RLEP eq. 3/4, verl `compute_policy_loss`).
 
@@ -188,11 +222,17 @@ def policy_loss(
         normalizer: denominator override for gradient accumulation (see `aggregate_loss`).
         token_weights: `[B, T]` optional constant weights of each token's loss (no gradient), e.g.
             `behavior_weights` for AReaL's decoupled objective; None = 1 everywhere.
+        ref_logprobs: `[B, T]` a reference policy's logprobs; with `kl_coef` > 0 each token's loss gains
+            `kl_coef * kl_estimate(logprobs, ref_logprobs, kl_estimator)` (not re-weighted by `token_weights`).
+        entropy: `[B, T]` the policy's entropy at each position, with its gradient; with `entropy_coef` > 0 each
+            token's loss loses `entropy_coef * entropy` (an entropy bonus).
+        With both coefficients 0 (the default) the loss is exactly DAPO's: nothing is added.
 
     Returns:
         `(loss, metrics)`: a scalar loss to minimise and detached 0-dim tensors `clip_fraction` (tokens where the
         ratio clip is active), `clip_fraction_dual` (tokens where the dual clip is active),
-        `approx_kl` (mean of old - new logprob) and `ratio_mean`, all over unmasked tokens.
+        `approx_kl` (mean of old - new logprob) and `ratio_mean`, all over unmasked tokens; with a KL term also
+        `kl_ref` (the mean estimate).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
         raise ValueError(
@@ -218,6 +258,16 @@ def policy_loss(
         if token_weights.shape != logprobs.shape:
             raise ValueError(f"token_weights must be {tuple(logprobs.shape)}, got {tuple(token_weights.shape)}")
         per_token = per_token * token_weights.detach().to(per_token.dtype)
+    kl = None
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        per_token = per_token + kl_coef * kl
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the entropy")
+        per_token = per_token - entropy_coef * entropy
 
     loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
     with torch.no_grad():  # 0-dim tensors on the loss's device: reading them is the caller's (one sync per read)
@@ -227,6 +277,8 @@ def policy_loss(
             "approx_kl": _safe_mean(-log_ratio, mask),
             "ratio_mean": _safe_mean(ratio, mask),
         }
+        if kl is not None:
+            metrics["kl_ref"] = _safe_mean(kl, mask)
     return loss, metrics
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlep.common.types import Group, Source
-from rlep.services.learner.algorithm import NonFiniteError, flatten_groups, group_advantages
+from rlep.services.learner.algorithm import KlEstimator, NonFiniteError, flatten_groups, group_advantages, kl_estimate
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class ExperienceBatch:
     group_index: Tensor  # [N] long, which group (question) each row belongs to
     old_logprobs: Tensor | None = None  # [N, L-1] float, filled in before the update
     behavior_logprobs: Tensor | None = None  # [N, L-1] float, the sampler's; NaN where none (only when asked)
+    ref_logprobs: Tensor | None = None  # [N, L-1] float, the reference policy's (only with a KL term)
 
     @property
     def size(self) -> int:
@@ -60,6 +61,7 @@ class ExperienceBatch:
             group_index=self.group_index[index],
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[index, : length - 1],
             behavior_logprobs=(None if self.behavior_logprobs is None else self.behavior_logprobs[index, : length - 1]),
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[index, : length - 1],
         )
 
     def to(self, device: torch.device) -> ExperienceBatch:
@@ -79,6 +81,11 @@ class ExperienceBatch:
         if old_logprobs.shape != self.loss_mask.shape:
             raise ValueError(f"old_logprobs must be {tuple(self.loss_mask.shape)}, got {tuple(old_logprobs.shape)}")
         return replace(self, old_logprobs=old_logprobs)
+
+    def with_ref_logprobs(self, ref_logprobs: Tensor) -> ExperienceBatch:
+        if ref_logprobs.shape != self.loss_mask.shape:
+            raise ValueError(f"ref_logprobs must be {tuple(self.loss_mask.shape)}, got {tuple(ref_logprobs.shape)}")
+        return replace(self, ref_logprobs=ref_logprobs)
 
 
 def layout_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -145,6 +152,16 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
     )
 
 
+def with_kl_reward_penalty(batch: ExperienceBatch, kl_coef: float, estimator: KlEstimator) -> ExperienceBatch:
+    """`batch` whose rewards lose `kl_coef` x each row's summed per-token KL estimate between the old policy and the
+    reference (verl `use_kl_in_reward`), and whose advantages are normalised again from them."""
+    if batch.old_logprobs is None or batch.ref_logprobs is None:
+        raise ValueError("a KL reward penalty needs old and reference logprobs")
+    per_token = kl_estimate(batch.old_logprobs, batch.ref_logprobs, estimator) * batch.loss_mask
+    rewards = batch.rewards - kl_coef * per_token.sum(dim=1)
+    return replace(batch, rewards=rewards, advantages=group_advantages(rewards, batch.group_index))
+
+
 def mini_batches(size: int, count: int, generator: torch.Generator | None = None) -> list[Tensor]:
     """Splits row indices [0, size) into `count` nearly equal mini-batches (shuffled when a generator is given)."""
     order = torch.randperm(size, generator=generator) if generator is not None else torch.arange(size)
@@ -169,15 +186,18 @@ def token_entropy(logits: Tensor) -> Tensor:
 SCORE_CHUNK_POSITIONS = 1024
 
 
-def _chunk_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, with_entropy: bool):
+def _chunk_scores(
+    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, with_entropy: bool, entropy_grad: bool = False
+):
     """`[C, H]` inputs of the head and `[C]` targets -> (`[C]` logprobs, `[C]` entropy or None)."""
     # The fused log_softmax is faster on CPU than logsumexp + subtraction, and is the reference's formula.
     chunk_logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [C, V]
     logprobs = chunk_logprobs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs, None
-    with torch.no_grad():  # after the logprobs, so checkpointing's recompute stops before this part
-        # -sum(p * log p) as a batched dot product: no third [C, V] temporary.
+    # -sum(p * log p) as a batched dot product: no third [C, V] temporary. Detached unless an entropy bonus trains
+    # on it (after the logprobs, so checkpointing's recompute stops before this part when it is not needed).
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(chunk_logprobs.exp()[:, None, :] @ chunk_logprobs[:, :, None]).view(-1)
     return logprobs, entropy
 
@@ -188,6 +208,7 @@ def token_scores(
     tokens: Tensor,
     with_entropy: bool = True,
     chunk_positions: int = SCORE_CHUNK_POSITIONS,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob and entropy of every next token, `chunk_positions` positions at a time.
 
@@ -201,6 +222,7 @@ def token_scores(
         head: maps `[C, H]` to `[C, V]` logits (an LM head module).
         tokens: `[N, L]` token ids; position j is scored against token j+1.
         with_entropy: also compute the entropy (detached); None in its place otherwise.
+        entropy_grad: let the gradient flow through the entropy too (an entropy bonus).
 
     Returns:
         `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`.
@@ -212,7 +234,7 @@ def token_scores(
     for start in range(0, targets.numel(), chunk_positions):
         chunk = (head, flat_hidden[start : start + chunk_positions], targets[start : start + chunk_positions])
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, entropy_grad, use_reentrant=False)
         else:
             lp, ent = _chunk_scores(*chunk, with_entropy)
         logprobs.append(lp)
@@ -257,7 +279,7 @@ class ScoringModel(torch.nn.Module):
         self.plain_head = has_plain_lm_head(model.config)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = True
+        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = True, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """`[N, L]` ids and mask -> (`[N, L-1]` logprobs, `[N, L-1]` entropy or None); see `token_scores`."""
         if self.plain_head:
@@ -267,7 +289,7 @@ class ScoringModel(torch.nn.Module):
         else:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             head = torch.nn.Identity()
-        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions)
+        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions, entropy_grad)
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)

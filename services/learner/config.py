@@ -81,17 +81,33 @@ class AlgorithmConfig(StrictModel):
     (verl's one-step-off-policy recipe, prime-rl's async level). 0 = the paper's synchronous step. Groups
     staler than k (e.g. from a replica that rejoined on old weights) are dropped and counted in the step
     record. Old logprobs are recomputed under the learner's weights before the update (docs/learner.md, *Overlap*)."""
-    behavior_correction: Literal["auto", "none", "truncated_is"] = "auto"
+    behavior_correction: Literal["auto", "none", "truncated_is", "seq_truncated_is", "masked_is", "seq_masked_is"] = (
+        "auto"  # the corrections: mismatch.CORRECTIONS
+    )
     """Beyond the reference: how fresh samples drawn by other weights than the update's old policy are corrected
     (docs/learner.md, *Overlap*). `none`: the PPO ratio starts from old logprobs recomputed under the learner's
     weights and the gap to the sampler is ignored (verl's one-step-off-policy recipe). `truncated_is`: each fresh
     token's loss is also weighted by min(pi_old / pi_sampler, behavior_weight_cap), pi_sampler being the sampler's
-    logprob (AReaL's decoupled objective, truncated as in TIS); replayed rows get weight 1. It needs temperature 1
-    and top_p 1 (the learner scores the untempered policy). `auto` (default): `truncated_is` when max_staleness >= 1
-    and the sampler is untempered, else `none` — so the synchronous step stays the paper's. Measured on the demo
-    with k=1: `none` lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous run."""
+    logprob (AReaL's decoupled objective, truncated as in TIS); replayed rows get weight 1. `seq_truncated_is`: the
+    sequence's ratio, truncated, on all its tokens; `masked_is` (IcePop): tokens whose ratio leaves [1/cap, cap] are
+    left out; `seq_masked_is`: sequences whose geometric-mean ratio leaves it are (docs/mismatch.md). They correct
+    the train/inference mismatch at any staleness, 0 included. Each needs temperature 1 and top_p 1 (the learner
+    scores the untempered policy). `auto` (default): `truncated_is` when max_staleness >= 1 and the sampler is
+    untempered, else `none` — so the synchronous step stays the paper's. Measured on the demo with k=1: `none`
+    lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous run."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Beyond DAPO and RLEP (which run without one): a KL term to the reference policy, the starting checkpoint
+    (docs/algorithm.md, *KL and entropy*). 0 = none, and no reference model is loaded."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimator of KL(pi || pi_ref) per token: k1 = log ratio, k2 = its square / 2, k3 (GRPO's)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """`loss`: `kl_coef` x the estimate joins each token's loss (GRPO, verl `use_kl_loss`); `reward`: each
+    sequence's reward loses `kl_coef` x its summed estimate under the old policy before advantages are normalised
+    (verl `use_kl_in_reward`, PPO's classic penalty)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """An entropy bonus: each token's loss loses `entropy_coef` x the policy's entropy there. 0 = none."""
     behavior_weight_cap: float = Field(2.0, ge=1)
-    """Upper bound of a `truncated_is` weight."""
+    """Upper bound of a truncated weight; [1/cap, cap] is the band a masked correction keeps."""
 
     @property
     def mini_batch_size(self) -> int:
@@ -106,7 +122,7 @@ class AlgorithmConfig(StrictModel):
         return self.temperature == 1.0 and self.top_p == 1.0
 
     @property
-    def correction(self) -> Literal["none", "truncated_is"]:
+    def correction(self) -> str:
         """`behavior_correction` with `auto` resolved."""
         if self.behavior_correction != "auto":
             return self.behavior_correction
@@ -135,8 +151,8 @@ class DeepSpeedConfig(StrictModel):
     zero_stage: int = Field(2, ge=0, le=3)
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype the model is loaded and trained in (bf16: DeepSpeed keeps float32 master weights). Weights pushed
-    to rollout are cast to the starting checkpoint's dtype (what the replicas loaded); a checkpoint's HF export
-    keeps this dtype."""
+    to rollout are cast to the replicas' engine dtype (the NCCL broadcast: the starting checkpoint's); a
+    checkpoint's HF export keeps this dtype."""
     num_processes: int = Field(1, ge=1)
     """Data-parallel learner processes (Ray actors); gloo on CPU, NCCL on GPU."""
     offload_optimizer: bool = False
@@ -346,10 +362,10 @@ class TrainConfig(StrictModel):
                 "(Duplicate GPU detected): give each process a whole GPU (learner_gpus: 1) or use one process"
             )
         algo = self.algorithm
-        if algo.behavior_correction == "truncated_is" and not algo.untempered:
+        if algo.behavior_correction not in ("auto", "none") and not algo.untempered:
             raise ValueError(
-                "algorithm.behavior_correction=truncated_is needs temperature 1 and top_p 1: the learner scores "
-                f"the untempered policy, so its ratio to the sampler at temperature {algo.temperature} / top_p "
-                f"{algo.top_p} is not an importance weight"
+                f"algorithm.behavior_correction={algo.behavior_correction} needs temperature 1 and top_p 1: the "
+                f"learner scores the untempered policy, so its ratio to the sampler at temperature "
+                f"{algo.temperature} / top_p {algo.top_p} is not an importance weight"
             )
         return self

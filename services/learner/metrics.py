@@ -56,10 +56,18 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "approx_kl": ("rlep_learner_approx_kl", "Approximate KL(old || new) over the step's tokens"),
     "entropy": ("rlep_learner_entropy", "Mean per-token entropy of the policy on the step's responses"),
     "response_length_mean": ("rlep_learner_response_length_mean", "Mean response length in tokens"),
+    "rollout_mismatch_kl": ("rlep_learner_rollout_mismatch_kl", "Mean k3 KL(rollout || learner) on fresh tokens"),
+    "rollout_mismatch_ratio_p99": ("rlep_learner_rollout_mismatch_ratio_p99", "p99 of pi_learner / pi_rollout"),
+    "rollout_mismatch_ratio_max": ("rlep_learner_rollout_mismatch_ratio_max", "Largest pi_learner / pi_rollout"),
+    "rollout_mismatch_outside_cap": (
+        "rlep_learner_rollout_mismatch_outside_cap",
+        "Fraction of fresh tokens whose pi_learner / pi_rollout leaves [1/cap, cap]",
+    ),
+    "kl_ref": ("rlep_learner_kl_ref", "Mean KL estimate to the reference policy (with a KL term)"),
     "eval_accuracy": ("rlep_learner_eval_accuracy", "Accuracy on the held-out evaluation set (last evaluation)"),
 }
 # Fields whose gauge is registered (and so scraped) only once a record gives it a value.
-UNTIL_FIRST_VALUE = frozenset({"eval_accuracy"})
+UNTIL_FIRST_VALUE = frozenset({"eval_accuracy", "kl_ref"})
 PHASES = ("rollout", "verify", "replay", "train", "weight_push", "rollout_wait")
 
 

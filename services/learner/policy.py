@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlep.services.learner.algorithm import behavior_weights, mini_batch_normalizer, policy_loss, warmup_lr
+from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
 from rlep.services.learner.batch import ExperienceBatch, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (
@@ -39,7 +39,9 @@ from rlep.services.learner.deepspeed_setup import (
     load_model,
 )
 from rlep.services.learner.micro_batch_plan import MicroBatch, plan_micro_batches
-from rlep.services.learner.weight_push import WeightPusher
+from rlep.services.learner.mismatch import correction_weights
+from rlep.services.learner.reference import load_reference
+from rlep.services.learner.weight_push import WeightPusher, push_dtype
 from rlep.services.rollout.client import PushResult, ReplicaTarget
 from rlep.services.weights.broadcast import BroadcastGroup, WeightSender, manifest
 from rlep.services.weights.config import WeightSyncConfig
@@ -50,7 +52,7 @@ __all__ = ["DeepSpeedPolicy", "checkpoint_dtype", "copy_tokenizer_files", "init_
 log = logging.getLogger(__name__)
 
 # The update's statistics, summed on the device over micro-batches and read back once per update.
-STAT_KEYS = ("loss", "clip_fraction", "clip_fraction_dual", "approx_kl", "entropy", "tokens")
+STAT_KEYS = ("loss", "clip_fraction", "clip_fraction_dual", "approx_kl", "entropy", "kl_ref", "tokens")
 
 # Tokenizer files of an HF checkpoint, copied byte for byte into saved checkpoints: recent transformers
 # keeps the chat template in chat_template.jinja (older ones inside tokenizer_config.json). Re-saving
@@ -98,6 +100,8 @@ class DeepSpeedPolicy:
         self.training_steps = 0  # `update` calls: the warm-up clock
         self._sender: WeightSender | None = None  # weight broadcast (rank 0), joined on first use
         self._pusher = WeightPusher()  # payload pushes from this process (rank 0)
+        # The KL term's reference (reference.py): loaded only when a KL term is on.
+        self.reference = load_reference(model_dir, config, ds_config, self.device) if config.algorithm.kl_coef else None
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -113,10 +117,20 @@ class DeepSpeedPolicy:
         non-zero on one process only), so every process returns the whole tensor, on the host.
         """
         self.engine.eval()
+        return self._score(self.engine, batch)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """`logprobs` under the reference policy (the starting checkpoint; only with `algorithm.kl_coef` > 0)."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy: algorithm.kl_coef is 0")
+        return self._score(self.reference, batch)
+
+    def _score(self, module, batch: ExperienceBatch) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         for rows, scale in self._micro_batches(batch, torch.arange(batch.size)):
             sub = batch.select(rows).to(self.device)
-            logprobs, _ = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False)
+            logprobs, _ = module(input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False)
             if scale:  # padding positions get 0, so the result does not depend on which rows shared a pass
                 out[rows.to(self.device), : sub.loss_mask.shape[1]] = logprobs * sub.attention_mask[:, 1:]
         if self.world_size > 1:
@@ -163,6 +177,7 @@ class DeepSpeedPolicy:
             "clip_fraction_dual": totals["clip_fraction_dual"] / tokens,
             "approx_kl": totals["approx_kl"] / tokens,
             "entropy": totals["entropy"] / tokens,
+            **({"kl_ref": totals["kl_ref"] / tokens} if self._kl_in_loss else {}),
             "lr": lr,
             "optimizer_steps": float(self.optimizer_steps),
         }
@@ -192,7 +207,9 @@ class DeepSpeedPolicy:
             tokens = float(host.loss_mask.sum()) * scale
             mini_tokens += tokens
             sub = host.to(self.device)
-            new, entropy = self.engine(input_ids=sub.tokens, attention_mask=sub.attention_mask)
+            new, entropy = self.engine(
+                input_ids=sub.tokens, attention_mask=sub.attention_mask, entropy_grad=algo.entropy_coef > 0
+            )
             loss, stats = policy_loss(
                 new,
                 sub.old_logprobs,
@@ -204,6 +221,11 @@ class DeepSpeedPolicy:
                 agg=algo.loss_agg,
                 normalizer=normalizer,
                 token_weights=self._token_weights(sub),
+                ref_logprobs=sub.ref_logprobs,
+                kl_coef=algo.kl_coef if self._kl_in_loss else 0.0,
+                kl_estimator=algo.kl_estimator,
+                entropy=entropy,
+                entropy_coef=algo.entropy_coef,
             )
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             self.engine.backward(loss * scale, scale_wrt_gas=False)
@@ -214,19 +236,25 @@ class DeepSpeedPolicy:
                 stats["clip_fraction"] * tokens,
                 stats["clip_fraction_dual"] * tokens,
                 stats["approx_kl"] * tokens,
-                (entropy * sub.loss_mask).sum() * scale,
+                (entropy.detach() * sub.loss_mask).sum() * scale,
+                stats.get("kl_ref", torch.zeros((), device=self.device)) * tokens,
             ]
             sums[:-1] += torch.stack([p.to(torch.float64) for p in parts])
         sums[-1] += mini_tokens  # STAT_KEYS ends with "tokens"
         self.optimizer_steps += 1
         return sums
 
-    def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
-        """`truncated_is`: pi_old / pi_sampler per token, truncated (docs/learner.md, *Overlap*); otherwise None."""
+    @property
+    def _kl_in_loss(self) -> bool:
         algo = self.config.algorithm
-        if algo.correction != "truncated_is" or sub.behavior_logprobs is None:
+        return algo.kl_coef > 0 and algo.kl_in == "loss"
+
+    def _token_weights(self, sub: ExperienceBatch) -> torch.Tensor | None:
+        """The behavior correction's weights per token (mismatch.py, docs/mismatch.md); None with `none`."""
+        algo = self.config.algorithm
+        if algo.correction == "none" or sub.behavior_logprobs is None:
             return None
-        return behavior_weights(sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
+        return correction_weights(algo.correction, sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
 
     def _sum_over_processes(self, sums: torch.Tensor) -> list[float]:
         """Each process saw its share of the rows: the step's statistics are sums over all processes. The
@@ -280,7 +308,7 @@ class DeepSpeedPolicy:
         rank takes part in gathering them. Returns who took `version` (rank 0; None elsewhere)."""
         if self.rank != 0 and self.config.deepspeed.zero_stage != 3:
             return None
-        weights = self._full_weights(copy=False)
+        weights = self._full_weights(copy=False, dtype=push_dtype(target, self.checkpoint_dtype))
         if self.rank != 0:
             return None
         return self._pusher.push(weights, target, version, sync)
@@ -291,7 +319,7 @@ class DeepSpeedPolicy:
         The weights are written in the training dtype (`deepspeed.dtype`), whatever the starting checkpoint's: a
         model trained in bf16 is not upcast to a float32 file twice its size, and one trained in float32 keeps the
         updates that rounding to bf16 would lose. config.json says that dtype (vLLM's `dtype: auto` reads it).
-        Pushes to rollout keep the starting checkpoint's dtype (`state_dict`): that is what the replicas loaded."""
+        Pushes to rollout go in the replicas' engine dtype (`weight_push.push_dtype`)."""
         state = self._full_weights(copy=True, dtype=self.train_dtype)
         if self.rank != 0:
             return

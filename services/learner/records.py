@@ -2,7 +2,8 @@
 starting weights, step 0), their JSONL form and the reading of a step log back.
 
 The JSONL form is a contract (the demo compares logs of runs, dashboards read them): one JSON object per
-line, keys in field order, `eval_accuracy` present only on the steps that evaluated.
+line, keys in field order, `eval_accuracy` present only on the steps that evaluated and the other figures of
+`ABSENT_WHEN_NONE` only where measured.
 """
 
 from __future__ import annotations
@@ -72,14 +73,46 @@ class StepRecord:
     """Rollout replicas serving at the end of the step (fewer than deployed: some are down or rejoining)."""
     rollout_failovers: int = 0
     """Generation shards retried on another replica since the run started (a replica failed mid-request)."""
+    rollout_mismatch_kl: float | None = None
+    """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
+    policies; the `rollout_mismatch_*` fields are None in logs written before them."""
+    rollout_mismatch_ratio_p99: float | None = None
+    """99th percentile of pi_learner / pi_rollout over the fresh tokens."""
+    rollout_mismatch_ratio_max: float | None = None
+    rollout_mismatch_outside_cap: float | None = None
+    """Fraction of fresh tokens whose ratio leaves [1/behavior_weight_cap, behavior_weight_cap]."""
+    rollout_correction_weight_mean: float | None = None
+    """With a `behavior_correction`: its mean weight over the fresh tokens (None without one)."""
+    rollout_correction_masked: float | None = None
+    """Fraction of fresh tokens the correction left out (weight 0: masked_is, seq_masked_is)."""
+    rollout_correction_unweighted_rows: int | None = None
+    """Rows trained at weight 1 because no sampler drew them (replayed rows)."""
+    kl_ref: float | None = None
+    """With `algorithm.kl_coef` > 0: the mean per-token KL estimate to the reference policy (`kl_estimator`), under
+    the policy being trained (`kl_in: loss`) or the old one (`kl_in: reward`); None without a KL term."""
     eval_accuracy: float | None = None
     """Held-out accuracy after this step; None (and absent from the log) on steps without an evaluation."""
 
     def to_json(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
-        if self.eval_accuracy is None:
-            del record["eval_accuracy"]
+        for name in ABSENT_WHEN_NONE:
+            if record[name] is None:
+                del record[name]
         return record
+
+
+# Figures only some steps or runs measure: their keys are absent from a line that has none (not null).
+ABSENT_WHEN_NONE = (
+    "rollout_mismatch_kl",
+    "rollout_mismatch_ratio_p99",
+    "rollout_mismatch_ratio_max",
+    "rollout_mismatch_outside_cap",
+    "rollout_correction_weight_mean",
+    "rollout_correction_masked",
+    "rollout_correction_unweighted_rows",
+    "kl_ref",
+    "eval_accuracy",
+)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ process SIGKILLs itself right after that step's checkpoint is written, as a cras
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,11 +49,13 @@ import torch
 from rlep.common.policy_info import write_policy_info
 from rlep.common.types import Group, Trajectory, Verdict
 from rlep.services.learner import generations
-from rlep.services.learner.batch import ExperienceBatch, build_batch
+from rlep.services.learner.algorithm import kl_estimate
+from rlep.services.learner.batch import ExperienceBatch, build_batch, with_kl_reward_penalty
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor, Question
 from rlep.services.learner.generation import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.metrics import LearnerMetrics
+from rlep.services.learner.mismatch import correction_figures, rollout_mismatch
 from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
@@ -189,9 +192,20 @@ class Trainer:
             Group(q.question_id, q.ground_truth, fresh + replayed.get(q.question_id, []))
             for q, fresh in zip(gathered.questions, gathered.fresh, strict=True)
         ]
-        batch = build_batch(groups, self.tokenizer.pad_id, with_behavior=algo.correction != "none")
+        # The sampler's logprobs ride along always: the mismatch is measured whether or not it is corrected.
+        batch = build_batch(groups, self.tokenizer.pad_id, with_behavior=True)
         with timer.phase("train"):
             batch = batch.with_old_logprobs(self.policy.logprobs(batch))
+            if algo.kl_coef > 0:  # a KL term to the starting checkpoint (not in the paper's recipe)
+                batch = batch.with_ref_logprobs(self.policy.reference_logprobs(batch))
+                if algo.kl_in == "reward":
+                    batch = with_kl_reward_penalty(batch, algo.kl_coef, algo.kl_estimator)
+            measured = (batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, algo.behavior_weight_cap)
+            mismatch = rollout_mismatch(*measured)
+            figures = {f"rollout_mismatch_{k}": v for k, v in mismatch.figures().items()} if mismatch else {}
+            if algo.correction != "none":
+                corrected = correction_figures(algo.correction, *measured)
+                figures |= {f"rollout_correction_{k}": v for k, v in corrected.items()}
             # By default mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
             stats = self.policy.update(batch, algo.mini_batch_size)
         with timer.phase("weight_push"):
@@ -206,6 +220,7 @@ class Trainer:
         if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
             eval_accuracy = self.evaluate()
         record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy, staleness, stale_groups)
+        record = dataclasses.replace(record, **figures)
         self._publish(record)
         self._log_generations(gathered, groups)
         ckpt = self.config.checkpoint
@@ -293,6 +308,7 @@ class Trainer:
             advantage_std=float(batch.advantages.std()) if batch.size > 1 else 0.0,
             clip_fraction=stats["clip_fraction"],
             approx_kl=stats["approx_kl"],
+            kl_ref=stats.get("kl_ref", _kl_of(batch, self.config)),
             entropy=stats["entropy"],
             loss=stats["loss"],
             lr=stats["lr"],
@@ -366,6 +382,14 @@ class Trainer:
             log.warning("%s=%d: killing this process after its checkpoint", KILL_AFTER_CHECKPOINT_ENV, self.step)
             os.kill(os.getpid(), signal.SIGKILL)
         return ckpt.dir / tag / "hf"
+
+
+def _kl_of(batch: ExperienceBatch, config: TrainConfig) -> float | None:
+    """The old policy's mean KL estimate to the reference over the trained tokens (a KL term in the reward)."""
+    if batch.ref_logprobs is None or batch.old_logprobs is None:
+        return None
+    per_token = kl_estimate(batch.old_logprobs, batch.ref_logprobs, config.algorithm.kl_estimator)
+    return float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1))
 
 
 def _last_logged_version(log_path: Path | None) -> int:

@@ -41,14 +41,16 @@ def case_id(case) -> str:
     return f"zero{stage}-x{processes}" + ("-ckpt" if checkpointing else "") + "".join(f"-{k}" for k in keys)
 
 
-def start_policy(model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, optim=None, **deepspeed):
+def start_policy(
+    model_dir, stage: int = 2, processes: int = 1, warmup_steps: int = 0, optim=None, algorithm=None, **deepspeed
+):
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.ray_policy import RayPolicy
 
     config = TrainConfig.model_validate(
         {
             "seed": 11,
-            "algorithm": {"questions_per_step": 4, "mini_batch_questions": 2},
+            "algorithm": {"questions_per_step": 4, "mini_batch_questions": 2} | (algorithm or {}),
             "optim": {"lr": LR, "warmup_steps": warmup_steps, "weight_decay": 0.0, "micro_batch_size": 3}
             | (optim or {}),
             "deepspeed": {"zero_stage": stage, "num_processes": processes, **deepspeed},
@@ -257,3 +259,23 @@ def test_zero3_weights_are_gathered_one_by_one_kept_on_rank_0_and_streamed_to_a_
         policy.close()
     assert received.keys() == checkpoint.keys()
     assert all(torch.equal(received[k], checkpoint[k]) for k in checkpoint)
+
+
+@pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
+def test_a_kl_term_compares_with_the_frozen_starting_weights(ray_local, model_dir, batch, stage, processes):
+    """The reference is the starting checkpoint and stays it while the policy trains (partitioned under ZeRO-3);
+    the step's statistics carry the KL estimate, 0 before the policy moves and positive after."""
+    policy = start_policy(model_dir, stage, processes, algorithm={"kl_coef": 0.1, "entropy_coef": 0.01})
+    try:
+        old, ref = policy.logprobs(batch), policy.reference_logprobs(batch)
+        stats = policy.update(batch.with_old_logprobs(old).with_ref_logprobs(ref), rows_per_mini_batch=batch.size)
+        moved, still = policy.logprobs(batch), policy.reference_logprobs(batch)
+        second = policy.update(batch.with_old_logprobs(moved).with_ref_logprobs(still), batch.size)
+    finally:
+        policy.close()
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(ref[mask], old[mask], atol=1e-5, rtol=0.0)  # the same weights, before any update
+    assert torch.equal(still, ref)  # frozen
+    assert (moved[mask] - old[mask]).abs().max() > 1e-4  # while the policy moved
+    assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one mini-batch: scored before its only update
+    assert second["kl_ref"] > 1e-7

@@ -65,6 +65,8 @@ def test_a_step_line_has_the_logged_keys_in_order_and_eval_accuracy_only_when_ev
     evaluated = json.loads(format_record(step_record(eval_accuracy=0.4)))
     assert list(evaluated) == [*STEP_KEYS, "eval_accuracy"] and evaluated["eval_accuracy"] == 0.4
     assert json.loads(format_record(step_record(optimizer_steps=None)))["optimizer_steps"] is None
+    measured = json.loads(format_record(step_record(rollout_mismatch_kl=0.01, kl_ref=0.2)))
+    assert list(measured) == [*STEP_KEYS, "rollout_mismatch_kl", "kl_ref"] and measured["kl_ref"] == 0.2
     assert json.loads(format_record(EvalRecord(step=0, policy_version=2, eval_accuracy=0.1))) == {
         "step": 0,
         "policy_version": 2,
