@@ -185,6 +185,11 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
         assert r.replayed_fraction == pytest.approx(M / (G + M))
         assert (r.replay_requested, r.replay_used, r.replay_retokenized) == (QUESTIONS * M,) * 3
         assert r.replay_dropped == {} and r.replay_failed_verification == 0
+    # A bfloat16 replica (vLLM's `auto` for this float32 checkpoint) beside the float32 learner: a measured gap.
+    assert all(r.rollout_mismatch_kl > 0 and r.rollout_mismatch_ratio_max > 1 for r in records)
+    print(f"\nSmolLM2-135M, bfloat16 replica vs float32 learner: mismatch KL "
+          f"{[f'{r.rollout_mismatch_kl:.2e}' for r in records]}, ratio max "
+          f"{[round(r.rollout_mismatch_ratio_max, 3) for r in records]}")  # fmt: skip
     # 2 x (G + M) = 8 rows per step in mini-batches of 1 x G = 2 rows: 4 optimizer steps per step, counted on.
     assert [r.optimizer_steps for r in records] == [4.0, 8.0]
     # The replicas serve the learner's final weights.
