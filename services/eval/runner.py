@@ -73,6 +73,24 @@ class Backends:
     verifier: VerifierClient
 
 
+class OutageLog:
+    """Logs a call that keeps failing once, with its traceback, and once more when it works again: a Redis outage
+    of a minute is two lines, not a traceback a second (which also filled an unread pipe and froze the process)."""
+
+    def __init__(self, what: str):
+        self.what, self.failures = what, 0
+
+    def failed(self, err: Exception) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.error("%s (retrying; said again when it works): %s", self.what, err, exc_info=err)
+
+    def worked(self) -> None:
+        if self.failures:
+            log.warning("%s: works again after %d failed tries", self.what, self.failures)
+            self.failures = 0
+
+
 class JobRunner:
     def __init__(
         self,
@@ -87,6 +105,7 @@ class JobRunner:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._current: tuple[str, str] | None = None  # (job id, attempt) being run
+        self._claim_failures, self._keeper_failures = OutageLog("cannot claim eval jobs"), OutageLog("eval keeper")
         self._dead_reason = (
             f"the eval service running this job stopped without finishing it (no heartbeat for "
             f"{config.lease_s:g} s); submit it again to rerun it"
@@ -120,9 +139,11 @@ class JobRunner:
             try:
                 attempt = new_attempt()
                 job_id = self._store.claim(attempt, self._config.lease_s)
-            except Exception:  # Redis unreachable: keep the thread alive and retry
-                log.exception("cannot claim eval jobs")
+            except Exception as err:  # Redis unreachable: keep the thread alive and retry
+                self._claim_failures.failed(err)
                 job_id = None
+            else:
+                self._claim_failures.worked()
             if job_id is None:
                 self._wake.wait(IDLE_POLL_S)
                 self._wake.clear()
@@ -146,8 +167,10 @@ class JobRunner:
                 if time.monotonic() >= next_reap:
                     self.reap_dead_jobs()
                     next_reap = time.monotonic() + self._config.lease_s
-            except Exception:  # Redis unreachable: the next round tries again
-                log.exception("eval keeper round failed")
+            except Exception as err:  # Redis unreachable: the next round tries again
+                self._keeper_failures.failed(err)
+            else:
+                self._keeper_failures.worked()
 
     def reap_dead_jobs(self) -> list[str]:
         """Marks failed, with the reason, every running job whose service stopped renewing its lease."""

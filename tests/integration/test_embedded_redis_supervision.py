@@ -33,14 +33,24 @@ def successes(start: int, count: int) -> list:
     return [success("q", i) for i in range(start, start + count)]
 
 
+def serve(args: list[str], data_dir) -> subprocess.Popen:
+    """`rlep serve ...` with its output in a file beside `data_dir`, not a pipe: a pipe nobody reads until the end
+    fills up (64 KB) and blocks every thread that logs, which froze a service mid-test while its Redis was down."""
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = data_dir.parent / f"{data_dir.name}.out"
+    with path.open("w") as out:
+        proc = subprocess.Popen([*rlep_command(), "serve", *args], stdout=out, stderr=subprocess.STDOUT)
+    proc.output_path = path
+    return proc
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    return proc.output_path.read_text()
+
+
 def start_replay(data_dir) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={data_dir}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = serve(["replay", "--port", str(port), "--set", f"local_redis_dir={data_dir}"], data_dir)
     wait_serving(port)
     return proc, f"127.0.0.1:{port}"
 
@@ -48,12 +58,7 @@ def start_replay(data_dir) -> tuple[subprocess.Popen, str]:
 def start_eval(data_dir) -> tuple[subprocess.Popen, str]:
     """`rlep serve eval` with no redis_url: its own redis-server under `data_dir`."""
     port = free_port()
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "eval", "--port", str(port), "--set", f"local_redis_dir={data_dir}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = serve(["eval", "--port", str(port), "--set", f"local_redis_dir={data_dir}"], data_dir)
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/healthz")
     return proc, url
@@ -87,7 +92,8 @@ def test_a_killed_embedded_redis_is_restarted_and_loses_no_acknowledged_add(tmp_
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        output = output_of(proc)
     print(f"embedded Redis killed: adds land again after {recovered_s:.2f} s")
     assert proc.returncode == 0 and "embedded redis-server restarted on port" in output, output
 
@@ -106,7 +112,7 @@ def test_an_embedded_redis_that_cannot_restart_turns_replay_not_serving_and_ends
         proc.wait(timeout=60)
     finally:
         proc.kill()
-        output = proc.stdout.read()
+        output = output_of(proc)
     assert proc.returncode == EMBEDDED_REDIS_LOST_EXIT_CODE, output
     assert "could not be restarted (3 tries)" in output, output
 
@@ -135,7 +141,8 @@ def test_eval_starts_its_own_password_protected_redis_and_keeps_jobs_across_its_
         assert httpx.get(f"{url}/healthz").status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        output = output_of(proc)
     assert proc.returncode == 0 and "embedded redis-server restarted on port" in output, output
 
 
@@ -149,7 +156,7 @@ def test_an_embedded_redis_that_cannot_restart_fails_evals_health_and_ends_it(tm
         proc.wait(timeout=60)
     finally:
         proc.kill()
-        output = proc.stdout.read()
+        output = output_of(proc)
     assert proc.returncode == EVAL_LOST_EXIT_CODE, output
     assert "could not be restarted (3 tries)" in output, output
 
