@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.jit_locks import clear_stale_jit_locks
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     """Joins the learner's process group: NCCL between GPUs, gloo on CPUs, on this process's own device."""
     import deepspeed
 
+    clear_stale_jit_locks()  # DeepSpeed loads its JIT-built ops below; a dead builder's lock would hang it
     on_cuda = torch.cuda.is_available()
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
     local = local_device_index(rank, torch.cuda.device_count() if on_cuda else 0, os.environ.get("LOCAL_RANK"))
