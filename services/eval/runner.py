@@ -285,7 +285,7 @@ class JobRunner:
         groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
         versions: set[int] = set()
         records: list[str] = []
-        verified = verify_groups(self._backends.verifier, groups)
+        verified = verify_groups(self._backends.verifier, groups, [q.data_source for q in chunk])
         for index, (question, completion, outcomes) in enumerate(zip(chunk, completions, verified, strict=True)):
             scores = []
             for sample, outcome in zip(completion.samples, outcomes, strict=True):

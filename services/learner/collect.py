@@ -202,7 +202,7 @@ def _collect_chunk(
         ),
     )
     groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
-    verified = verify_groups(services.verifier, groups)
+    verified = verify_groups(services.verifier, groups, [q.data_source for q in chunk])
     keep: list[Trajectory] = []
     fingerprint = tokenizer.fingerprint if tokenizer else ""
     for question, completion, outcomes in zip(chunk, completions, verified, strict=True):

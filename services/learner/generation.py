@@ -158,7 +158,7 @@ class StepInputs:
             groups = [
                 (q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)
             ]
-            outcomes = verify_groups(self.services.verifier, groups)
+            outcomes = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
             fresh = [
                 score_fresh(q.question_id, p, c, o, algo, self.config.run_id, self.tokenizer.fingerprint)
                 for q, p, c, o in zip(questions, prompts, completions, outcomes, strict=True)
@@ -213,9 +213,10 @@ class StepInputs:
         outcomes = None
         if replayed and algo.reverify_replayed:
             with timer.phase("verify"):
-                truths = {q.question_id: q.ground_truth for q in gathered.questions}
-                groups = [(truths[qid], [t.response_text for t in group]) for qid, group in replayed.items()]
-                outcomes = dict(zip(replayed, verify_groups(self.services.verifier, groups), strict=True))
+                asked = {q.question_id: q for q in gathered.questions}
+                groups = [(asked[qid].ground_truth, [t.response_text for t in rows]) for qid, rows in replayed.items()]
+                sources = [asked[qid].data_source for qid in replayed]
+                outcomes = dict(zip(replayed, verify_groups(self.services.verifier, groups, sources), strict=True))
         replayed = score_replayed(replayed, outcomes, algo, report)
         report.dropped = +report.dropped  # keep only reasons that happened
         if report.used == 0:

@@ -23,6 +23,27 @@ class VerifyOutcome:
     verdict: Verdict
     extracted_answer: str
     seconds: float
+    score: float = 0.0
+    """The scorer's score (math: 1 if CORRECT, else 0)."""
+
+
+@dataclass(frozen=True)
+class ScoredItem:
+    """An item for a scorer other than the server's default: `data_source` picks it, `extra` is a JSON object."""
+
+    response: str
+    ground_truth: str
+    data_source: str = ""
+    extra: str = ""
+
+
+def _item(item: tuple[str, str] | ScoredItem) -> verifier_pb2.VerifyItem:
+    if isinstance(item, ScoredItem):
+        return verifier_pb2.VerifyItem(
+            response=item.response, ground_truth=item.ground_truth, data_source=item.data_source, extra=item.extra
+        )
+    response, ground_truth = item
+    return verifier_pb2.VerifyItem(response=response, ground_truth=ground_truth)
 
 
 class VerifierClient:
@@ -43,17 +64,15 @@ class VerifierClient:
         self._chunk_items = chunk_items
         self._outage_s = outage_s
 
-    def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyOutcome]:
-        """Checks (response, ground_truth) pairs; outcomes in the same order."""
+    def verify(self, items: Sequence[tuple[str, str] | ScoredItem]) -> list[VerifyOutcome]:
+        """Checks (response, ground_truth) pairs (the default scorer) or `ScoredItem`s; outcomes in the same order."""
         outcomes: list[VerifyOutcome] = []
         for start in range(0, len(items), self._chunk_items):
             chunk = items[start : start + self._chunk_items]
-            request = verifier_pb2.VerifyRequest(
-                items=[verifier_pb2.VerifyItem(response=r, ground_truth=g) for r, g in chunk]
-            )
+            request = verifier_pb2.VerifyRequest(items=[_item(item) for item in chunk])
             reply = call_with_retry(self._stub.Verify, request, self._timeout_s, outage_s=self._outage_s)
             outcomes.extend(
-                VerifyOutcome(r.reward, VERDICT_FROM_PROTO[r.verdict], r.extracted_answer, r.seconds)
+                VerifyOutcome(r.reward, VERDICT_FROM_PROTO[r.verdict], r.extracted_answer, r.seconds, r.score)
                 for r in reply.results
             )
         return outcomes
@@ -72,15 +91,27 @@ class Verifies(Protocol):
     def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyOutcome]: ...
 
 
-def verify_groups(verifier: Verifies, groups: Sequence[tuple[str, Sequence[str]]]) -> list[list[VerifyOutcome]]:
+def verify_groups(
+    verifier: Verifies, groups: Sequence[tuple[str, Sequence[str]]], data_sources: Sequence[str] | None = None
+) -> list[list[VerifyOutcome]]:
     """Checks every group's responses against its ground truth, all in one `verify` (the verifier batches and
     spreads them over its workers); the outcomes come back grouped as given.
 
     Args:
         groups: `(ground_truth, responses)` per question (or per completion).
+        data_sources: each group's data set (`Question.data_source`), which picks the verifier's scorer for it
+            (docs/rewards.md); None or "" = the verifier's default scorer.
 
     Returns:
         One list of outcomes per group, in the order of its responses.
     """
-    outcomes = iter(verifier.verify([(response, truth) for truth, responses in groups for response in responses]))
+    sources = data_sources if data_sources is not None else [""] * len(groups)
+    if len(sources) != len(groups):
+        raise ValueError(f"{len(groups)} groups but {len(sources)} data sources")
+    items: list[tuple[str, str] | ScoredItem] = [
+        ScoredItem(response, truth, source) if source else (response, truth)
+        for (truth, responses), source in zip(groups, sources, strict=True)
+        for response in responses
+    ]
+    outcomes = iter(verifier.verify(items))
     return [[next(outcomes) for _ in responses] for _, responses in groups]

@@ -1,14 +1,73 @@
-"""Configuration of the verifier service."""
+"""Configuration of the verifier service, and of the scorers it routes items to by `data_source`."""
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from rlep.common.config import ServerConfig, StrictModel
 
 DEFAULT_PORT = 50061
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class MathScorer(StrictModel):
+    """math-verify (the paper's scorer): reward `reward_correct` for CORRECT, else `reward_wrong`; score 1 or 0."""
+
+    type: Literal["math"] = "math"
+
+
+class ScoreRule(StrictModel):
+    """What a scorer's number means for the learner: reward = score; success = score >= `success_threshold`."""
+
+    success_threshold: float = 1.0
+    """Scores at or above it are CORRECT (a success: the replay pool keeps it, eval counts it), others WRONG."""
+    error_reward: float = 0.0
+    """Reward of an item the scorer could not score (ERROR or TIMEOUT verdict)."""
+
+
+class PythonScorer(ScoreRule):
+    """A Python function `(response, ground_truth, extra) -> float | dict` run in the verifier's worker processes,
+    under the same limits as math-verify (CPU time, memory, the hard wall-clock kill)."""
+
+    type: Literal["python"] = "python"
+    function: str
+    """`module:function`, importable by the verifier (e.g. `rlep.services.verifier.scorers.countdown:score`). A
+    dict result needs a finite `score` and may carry an `extracted_answer` string."""
+
+    @model_validator(mode="after")
+    def _function_path(self) -> PythonScorer:
+        if not _FUNCTION_PATH.match(self.function):
+            raise ValueError(f"function {self.function!r} must be 'module:function'")
+        return self
+
+
+class HttpScorer(ScoreRule):
+    """A remote scorer (e.g. a reward model served elsewhere): one POST per item, bounded and retried."""
+
+    type: Literal["http"] = "http"
+    url: str = Field(pattern=r"^https?://")
+    """Endpoint taking `{"response", "ground_truth", "extra", "data_source"}` and answering a finite number or
+    `{"score": number, "extracted_answer"?: string}` as JSON."""
+    auth_token_file: Path | None = None
+    """File holding the bearer token sent as `authorization: Bearer <token>` (read at start, never logged)."""
+    timeout_s: float = Field(10.0, gt=0, le=600)
+    """Limit of one attempt (connect + answer)."""
+    retries: int = Field(2, ge=0, le=10)
+    """Further attempts after a 5xx, a 429, a timeout or a connection error (never after another 4xx)."""
+    backoff_s: float = Field(0.5, ge=0, le=60)
+    """Wait before the first retry; doubled before each later one."""
+    max_concurrency: int = Field(8, ge=1, le=1024)
+    """Requests in flight to this scorer at once (its own thread pool)."""
+    max_response_bytes: int = Field(65_536, ge=16)
+    """Longer answers are an ERROR."""
+
+
+ScorerSpec = Annotated[MathScorer | PythonScorer | HttpScorer, Field(discriminator="type")]
 
 
 class VerifierConfig(StrictModel):
@@ -50,6 +109,12 @@ class VerifierConfig(StrictModel):
     """Reward of a CORRECT verdict."""
     reward_wrong: float = -1.0
     """Reward of every other verdict (DAPO's verl recipe uses -1)."""
+    scorers: dict[str, ScorerSpec] = {}
+    """`data_source` -> scorer (`type`: math, python or http), as verl's `default_compute_score` routes. An item
+    whose data_source is empty or not listed here gets `default_scorer`: datasets relabel their sources
+    (DAPO-Math-17k says `DAPO-17k`, RLEP's pool `dapo_math`), so an unlisted label must not fail a step."""
+    default_scorer: ScorerSpec = MathScorer()
+    """The scorer of items whose data_source has no entry in `scorers`."""
 
     @property
     def call_slots(self) -> int:

@@ -51,6 +51,8 @@ class CheckResult:
     verdict: Verdict
     extracted_answer: str
     seconds: float = 0.0
+    score: float | None = None
+    """A non-math scorer's score (`rlep.services.verifier.scoring`); None for math-verify and failed items."""
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Verifier entry point: config -> worker pool -> gRPC server (+ /metrics)."""
+"""Verifier entry point: config -> worker pool and scorers -> gRPC server (+ /metrics)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rlep.common.metrics import service_registry
 from rlep.services.verifier.config import VerifierConfig
 from rlep.services.verifier.judge import CheckOptions
 from rlep.services.verifier.pool import VerifyPool
+from rlep.services.verifier.routing import Scorers
 from rlep.services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
 
 log = logging.getLogger(__name__)
@@ -17,11 +18,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class RunningVerifier(RunningService):
-    """A started verifier; its worker processes stop after the server."""
+    """A started verifier; its worker processes and HTTP scorers stop after the server."""
 
     pool: VerifyPool
+    scorers: Scorers
 
     def close(self) -> None:
+        self.scorers.close()
         self.pool.close()
 
 
@@ -40,9 +43,22 @@ def start_verifier(config: VerifierConfig) -> RunningVerifier:
         on_cache=metrics.count_cache_lookups,
     )
     metrics.workers.set(config.num_workers)
-    servicer = VerifierServicer(pool, config, metrics)
+    try:
+        scorers = Scorers(config, pool, on_skip=metrics.items_dropped.inc)
+    except ValueError:  # a Python scorer that cannot be imported, an unreadable token file
+        pool.close()
+        raise
+    servicer = VerifierServicer(scorers, config, metrics)
     return start_service(
-        RunningVerifier, config.server, SERVICE, servicer, registry, metrics.requests, by_method=False, pool=pool
+        RunningVerifier,
+        config.server,
+        SERVICE,
+        servicer,
+        registry,
+        metrics.requests,
+        by_method=False,
+        pool=pool,
+        scorers=scorers,
     )
 
 

@@ -45,6 +45,7 @@ from rlep.common.types import Verdict
 from rlep.services.verifier.cache import LruCache
 from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, prepare_check
 from rlep.services.verifier.queues import CLOSED, WorkQueues
+from rlep.services.verifier.scoring import ScoreCall
 from rlep.services.verifier.worker import ParseStats, Worker
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class VerifyBatch:
 class _Job:
     """One check of a key, and every item (batch, position) waiting for its result; the first is the leader."""
 
-    key: CheckKey
+    key: CheckKey | ScoreCall
     waiters: list[tuple[VerifyBatch, int]] = field(default_factory=list)
 
 
@@ -211,7 +212,7 @@ class VerifyPool:
         with self._jobs_lock:
             if self._in_flight.get(job.key) is job:
                 del self._in_flight[job.key]
-            if self._share and result.verdict in CACHEABLE:
+            if self._share and isinstance(job.key, CheckKey) and result.verdict in CACHEABLE:
                 self._verdicts.put(job.key, result.verdict)
             waiters = list(job.waiters)  # no one joins once the job left _in_flight
         (batch, index), *joined = waiters
@@ -254,7 +255,7 @@ class VerifyPool:
                 if not sent and not worker.process.is_alive():  # died while idle: no item's fault
                     self._replace(worker, "crash")
                 try:
-                    worker.conn.send((job.key.answer, job.key.gold))
+                    worker.conn.send(job.key)
                 except OSError:  # died with items in its pipe: the receive below blames the head
                     resend.appendleft(job)
                     break
@@ -328,48 +329,57 @@ class VerifyPool:
                 time.sleep(1.0)
         self._on_restart(reason)
 
-    def start(self, items: Sequence[tuple[str, str]], use_cache: bool = True) -> VerifyBatch:
-        """Answers what it can at once and queues the rest; wait on (or cancel) the returned batch.
-
-        `use_cache=False` sends every item that needs math-verify to a worker (health probes must reach one).
-        """
+    def start(self, items: Sequence[tuple[str, str] | ScoreCall], use_cache: bool = True) -> VerifyBatch:
+        """Answers what it can at once and queues the rest; wait on (or cancel) the returned batch. Items are
+        (response, ground_truth) pairs for math-verify, or `ScoreCall`s (never cached or joined: a user's function
+        need not be deterministic). `use_cache=False` sends every math item to a worker (health probes must)."""
         batch = VerifyBatch(len(items))
+        self.submit(batch, list(enumerate(items)), use_cache)
+        return batch
+
+    def submit(
+        self, batch: VerifyBatch, items: Sequence[tuple[int, tuple[str, str] | ScoreCall]], use_cache: bool = True
+    ) -> None:
+        """`start` for some positions of a batch that other scorers fill in too: (position, item) pairs."""
         share = self._share and use_cache
-        prepared = [prepare_check(response, gold, self._options) for response, gold in items]  # outside the lock
+        prepared = [  # outside the lock
+            (i, item if isinstance(item, ScoreCall) else prepare_check(*item, self._options)) for i, item in items
+        ]
         ready: list[tuple[int, CheckResult]] = []
         new_jobs: list[_Job] = []
-        hits = joins = 0
+        hits = joins = misses = 0
         with self._jobs_lock:
-            for i, key in enumerate(prepared):
+            for i, key in prepared:
                 if isinstance(key, CheckResult):
                     ready.append((i, key))
                     continue
-                if share:
+                shared = share and isinstance(key, CheckKey)
+                if shared:
                     if (verdict := self._verdicts.get(key)) is not None:
                         ready.append((i, CheckResult(verdict, key.answer, 0.0)))
                         hits += 1
                         continue
+                    misses += 1
                     if (job := self._in_flight.get(key)) is not None:
                         job.waiters.append((batch, i))
                         joins += 1
                         continue
                 job = _Job(key, [(batch, i)])
-                if share:
+                if shared:
                     self._in_flight[key] = job
                 new_jobs.append(job)
         self._count("decided", len(ready) - hits)
         self._count("cached", hits)
         if share:
             self._on_cache("verdict", True, hits)
-            self._on_cache("verdict", False, len(new_jobs) + joins)
+            self._on_cache("verdict", False, misses)
             self._on_cache("in_flight", True, joins)
-        self._queues.put([(job.key.gold, job) for job in new_jobs], caller=batch)
+        self._queues.put([(_route_of(job.key), job) for job in new_jobs], caller=batch)
         for i, result in ready:
             batch.set_result(i, result)
-        return batch
 
     def verify(
-        self, items: Sequence[tuple[str, str]], timeout_s: float | None = None, use_cache: bool = True
+        self, items: Sequence[tuple[str, str] | ScoreCall], timeout_s: float | None = None, use_cache: bool = True
     ) -> list[CheckResult]:
         """Checks every item; results in order. Raises TimeoutError if `timeout_s` runs out first."""
         batch = self.start(items, use_cache)
@@ -382,3 +392,8 @@ class VerifyPool:
         self._queues.close()
         for thread in self._threads:
             thread.join(timeout=10)
+
+
+def _route_of(key: CheckKey | ScoreCall) -> str:
+    """What picks an item's worker: its gold answer, whose parse that worker then caches."""
+    return key.gold if isinstance(key, CheckKey) else key.ground_truth

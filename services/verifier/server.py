@@ -1,4 +1,5 @@
-"""gRPC adapter of the verifier: proto <-> `VerifyPool`, limits, metrics. No verification logic here.
+"""gRPC adapter of the verifier: proto <-> `Scorers` (routing by data_source over the worker pool and HTTP
+scorers), limits, metrics. No verification logic here.
 
 Every call's work is bounded and stops with the call: it waits for the caller's deadline or the
 server's `request_timeout_s`, whichever comes first, and when the call ends early (deadline, limit,
@@ -19,8 +20,7 @@ from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
 from rlep.services.verifier.config import VerifierConfig
-from rlep.services.verifier.judge import reward_of
-from rlep.services.verifier.pool import VerifyPool
+from rlep.services.verifier.routing import Scorers, VerifyInput
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
@@ -83,8 +83,8 @@ class VerifierMetrics:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, pool: VerifyPool, config: VerifierConfig, metrics: VerifierMetrics):
-        self._pool, self._config, self._metrics = pool, config, metrics
+    def __init__(self, scorers: Scorers, config: VerifierConfig, metrics: VerifierMetrics):
+        self._scorers, self._config, self._metrics = scorers, config, metrics
         self._call_slots = threading.BoundedSemaphore(config.call_slots)
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
@@ -115,7 +115,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         limit_s = self._config.request_timeout_s
         remaining_s = context.time_remaining()
         own_limit = remaining_s is None or remaining_s >= limit_s
-        batch = self._pool.start([(item.response, item.ground_truth) for item in request.items])
+        try:
+            batch = self._scorers.start(
+                [VerifyInput(item.response, item.ground_truth, item.data_source, item.extra) for item in request.items]
+            )
+        except ValueError as err:  # an item's extra is not a JSON object
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not context.add_callback(batch.cancel):  # runs when the call ends, however it ends
             batch.cancel()
         self._metrics.items_in_flight.inc(count)
@@ -135,13 +140,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             batch.cancel()  # a no-op when every item is answered
             self._metrics.items_in_flight.dec(count)
         out = verifier_pb2.VerifyResponse()
-        for result in results:
+        for scored in results:
+            result = scored.result
             self._metrics.items.labels(result.verdict.value).inc()
             self._metrics.item_seconds.observe(result.seconds)
             out.results.add(
-                reward=reward_of(result.verdict, self._config.reward_correct, self._config.reward_wrong),
+                reward=scored.reward,
                 verdict=VERDICT_TO_PROTO[result.verdict],
                 extracted_answer=result.extracted_answer,
                 seconds=result.seconds,
+                score=scored.score,
             )
         return out

@@ -1,6 +1,6 @@
 """One verifier worker process: the loop it runs and the parent's handle that starts, kills and restarts it.
 
-The parent sends `(answer, gold)` pairs (a `CheckKey`'s fields); the worker answers each with
+The parent sends a `CheckKey` (math-verify) or a `ScoreCall` (a Python scorer); the worker answers each with
 `(CheckResult, ParseStats)`, the stats saying which of its parse caches the check hit. Only our own
 processes on this host exchange pickled data over these pipes; nothing from the network is unpickled.
 """
@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from rlep.common.types import Verdict
 from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, ParseCache, check_answer, check_key
+from rlep.services.verifier.scoring import ScoreCall, ScoreFunction, run_score_call
 
 # A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
 WORKER_START_TIMEOUT_S = 60.0
@@ -39,7 +40,7 @@ def _snapshot(cache: ParseCache) -> ParseStats:
 
 
 def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, parse_cache_size: int) -> None:
-    """Runs in the worker process: answer (answer, gold) pairs until the pipe closes."""
+    """Runs in the worker process: answer `CheckKey`s and `ScoreCall`s until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     if memory_limit_mb > 0:  # a runaway sympy expansion gets MemoryError, not the host's OOM killer
         limit = memory_limit_mb * 1024 * 1024
@@ -47,17 +48,21 @@ def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, 
     for name in ("math_verify.parser", "math_verify.grader"):  # "you must provide the timeout yourself": we do
         logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
     cache = ParseCache(parse_cache_size)
+    functions: dict[str, ScoreFunction] = {}
     for response, ground_truth in WARMUP_ITEMS:
         check_answer(response, ground_truth, options, cache)
     conn.send(_READY)
     while True:
         try:
-            answer, gold = conn.recv()
+            key: CheckKey | ScoreCall = conn.recv()
         except (EOFError, OSError):
             return
         before = _snapshot(cache)
         try:
-            result = check_key(CheckKey(answer, gold), options, cache)
+            if isinstance(key, ScoreCall):
+                result = run_score_call(key, options, functions)
+            else:
+                result = check_key(key, options, cache)
         except BaseException:  # anything else: the item failed, the worker lives on
             result = CheckResult(Verdict.ERROR, "")
         conn.send((result, ParseStats(*(a - b for a, b in zip(_snapshot(cache), before, strict=True)))))

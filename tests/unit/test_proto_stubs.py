@@ -22,7 +22,7 @@ def test_a_changed_proto_is_detected(tmp_path):
     for prefix, folder in package_roots().items():
         shutil.copytree(folder, copies[prefix], ignore=shutil.ignore_patterns("__pycache__"))
     path = proto_files(copies)["rlep/verifier/v1/verifier.proto"]
-    path.write_text(path.read_text().replace("double seconds = 4;", "double seconds = 4;\n  int32 extra = 5;"))
+    path.write_text(path.read_text().replace("double seconds = 4;", "double seconds = 4;\n  int32 probe = 99;"))
     stale = stale_stubs(copies)
     assert "rlep/verifier/v1/verifier_pb2.py" in stale
     assert not any(name.startswith(("rlep/replay", "rlep/common")) for name in stale)

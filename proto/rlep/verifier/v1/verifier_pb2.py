@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlep.common.v1 import trajectory_pb2 as rlep_dot_common_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlep/verifier/v1/verifier.proto\x12\x10rlep.verifier.v1\x1a\x1frlep/common/v1/trajectory.proto\"4\n\nVerifyItem\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\"<\n\rVerifyRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.rlep.verifier.v1.VerifyItem\"s\n\x0cVerifyResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12(\n\x07verdict\x18\x02 \x01(\x0e\x32\x17.rlep.common.v1.Verdict\x12\x18\n\x10\x65xtracted_answer\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"A\n\x0eVerifyResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.rlep.verifier.v1.VerifyResult2W\n\x08Verifier\x12K\n\x06Verify\x12\x1f.rlep.verifier.v1.VerifyRequest\x1a .rlep.verifier.v1.VerifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlep/verifier/v1/verifier.proto\x12\x10rlep.verifier.v1\x1a\x1frlep/common/v1/trajectory.proto\"X\n\nVerifyItem\x12\x10\n\x08response\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x03 \x01(\t\x12\r\n\x05\x65xtra\x18\x04 \x01(\t\"<\n\rVerifyRequest\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.rlep.verifier.v1.VerifyItem\"\x82\x01\n\x0cVerifyResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12(\n\x07verdict\x18\x02 \x01(\x0e\x32\x17.rlep.common.v1.Verdict\x12\x18\n\x10\x65xtracted_answer\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05score\x18\x05 \x01(\x01\"A\n\x0eVerifyResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.rlep.verifier.v1.VerifyResult2W\n\x08Verifier\x12K\n\x06Verify\x12\x1f.rlep.verifier.v1.VerifyRequest\x1a .rlep.verifier.v1.VerifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlep.verifier.v1.verifier_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYITEM']._serialized_start=86
-  _globals['_VERIFYITEM']._serialized_end=138
-  _globals['_VERIFYREQUEST']._serialized_start=140
-  _globals['_VERIFYREQUEST']._serialized_end=200
-  _globals['_VERIFYRESULT']._serialized_start=202
-  _globals['_VERIFYRESULT']._serialized_end=317
-  _globals['_VERIFYRESPONSE']._serialized_start=319
-  _globals['_VERIFYRESPONSE']._serialized_end=384
-  _globals['_VERIFIER']._serialized_start=386
-  _globals['_VERIFIER']._serialized_end=473
+  _globals['_VERIFYITEM']._serialized_end=174
+  _globals['_VERIFYREQUEST']._serialized_start=176
+  _globals['_VERIFYREQUEST']._serialized_end=236
+  _globals['_VERIFYRESULT']._serialized_start=239
+  _globals['_VERIFYRESULT']._serialized_end=369
+  _globals['_VERIFYRESPONSE']._serialized_start=371
+  _globals['_VERIFYRESPONSE']._serialized_end=436
+  _globals['_VERIFIER']._serialized_start=438
+  _globals['_VERIFIER']._serialized_end=525
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,125 @@
+"""Which scorer judges an item, and what its result is worth: the verifier's `data_source` routing.
+
+`Scorers` sends each item to the scorer its `data_source` names in `VerifierConfig.scorers` (an empty or
+unlisted label gets `default_scorer`, math-verify unless configured otherwise), as verl's `default_compute_score`
+routes. math-verify and Python scorers run in the worker pool (same processes, same limits); HTTP scorers run
+on their own threads. All of one call's items fill one `VerifyBatch`, so the call's deadline and cancellation
+cover every scorer alike.
+
+Rewards: math keeps `reward_correct` / `reward_wrong` by verdict (score 1 or 0); other scorers' reward is their
+score, or their `error_reward` when they failed (ERROR, TIMEOUT; score 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rlep.common.types import Verdict
+from rlep.services.verifier.config import HttpScorer, MathScorer, PythonScorer, ScorerSpec, VerifierConfig
+from rlep.services.verifier.http_scorer import RemoteScorer
+from rlep.services.verifier.judge import CheckResult, reward_of
+from rlep.services.verifier.pool import VerifyBatch, VerifyPool
+from rlep.services.verifier.scoring import ScoreCall, load_function, parse_extra
+
+_DEFAULT = ""  # the route of `default_scorer` (no data_source)
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One item to score, as a Verify call carries it."""
+
+    response: str
+    ground_truth: str
+    data_source: str = ""
+    """Picks the scorer; "" (or a label not in `scorers`) picks `default_scorer`."""
+    extra: str = ""
+    """A JSON object's text for non-math scorers ("" = {})."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    result: CheckResult
+    reward: float
+    score: float
+
+
+class RoutedBatch:
+    """One call's items across scorers: wait for them in order, or cancel the rest."""
+
+    def __init__(self, batch: VerifyBatch, specs: list[ScorerSpec], config: VerifierConfig):
+        self._batch, self._specs, self._config = batch, specs, config
+
+    def wait(self, timeout_s: float | None = None) -> list[Scored]:
+        """Raises TimeoutError / CancelledError as `VerifyBatch.wait` does."""
+        results = self._batch.wait(timeout_s)
+        return [score_result(spec, r, self._config) for spec, r in zip(self._specs, results, strict=True)]
+
+    def cancel(self) -> None:
+        self._batch.cancel()
+
+
+def score_result(spec: ScorerSpec, result: CheckResult, config: VerifierConfig) -> Scored:
+    """An item's reward and score from its scorer's result (see the module docstring)."""
+    if isinstance(spec, MathScorer):
+        correct = result.verdict == Verdict.CORRECT
+        return Scored(result, reward_of(result.verdict, config.reward_correct, config.reward_wrong), float(correct))
+    if result.score is None:
+        return Scored(result, spec.error_reward, 0.0)
+    return Scored(result, result.score, result.score)
+
+
+class Scorers:
+    """Routes items to math-verify, Python and HTTP scorers by their data_source.
+
+    Args:
+        config: the verifier's config (`scorers`, `default_scorer`, rewards).
+        pool: the worker pool running math-verify and the Python scorers.
+        on_skip: called once per HTTP-scored item dropped because its call ended (metrics).
+
+    Raises ValueError at construction when a Python scorer's function cannot be imported (fail at start, not per
+    item), or an HTTP scorer's token file cannot be read.
+    """
+
+    def __init__(self, config: VerifierConfig, pool: VerifyPool, on_skip: Callable[[], None] | None = None):
+        self._config, self._pool = config, pool
+        self._routes: dict[str, ScorerSpec] = {**config.scorers, _DEFAULT: config.default_scorer}
+        self._remote: dict[str, RemoteScorer] = {}
+        for route, spec in self._routes.items():
+            if isinstance(spec, PythonScorer):
+                load_function(spec.function)
+            elif isinstance(spec, HttpScorer):
+                self._remote[route] = RemoteScorer(spec, route, config.max_answer_chars, on_skip)
+
+    def route_of(self, data_source: str) -> str:
+        return data_source if data_source in self._routes else _DEFAULT
+
+    def start(self, items: Sequence[VerifyInput], use_cache: bool = True) -> RoutedBatch:
+        """Starts scoring every item. Raises ValueError, before any work, when an item's `extra` is not a JSON
+        object."""
+        for position, item in enumerate(items):
+            try:
+                parse_extra(item.extra)
+            except ValueError as err:
+                raise ValueError(f"item {position}: extra is not a JSON object: {err}") from None
+        routes = [self.route_of(item.data_source) for item in items]
+        specs = [self._routes[route] for route in routes]
+        pooled: list[tuple[int, tuple[str, str] | ScoreCall]] = []
+        remote: dict[str, list[tuple[int, tuple[str, str, str]]]] = {}
+        for position, (item, route, spec) in enumerate(zip(items, routes, specs, strict=True)):
+            if isinstance(spec, MathScorer):
+                pooled.append((position, (item.response, item.ground_truth)))
+            elif isinstance(spec, PythonScorer):
+                call = ScoreCall(spec.function, item.response, item.ground_truth, item.extra, spec.success_threshold)
+                pooled.append((position, call))
+            else:
+                remote.setdefault(route, []).append((position, (item.response, item.ground_truth, item.extra)))
+        batch = VerifyBatch(len(items))
+        self._pool.submit(batch, pooled, use_cache)
+        for route, positions in remote.items():
+            self._remote[route].submit(batch, positions)
+        return RoutedBatch(batch, specs, self._config)
+
+    def close(self) -> None:
+        for scorer in self._remote.values():
+            scorer.close()
