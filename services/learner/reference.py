@@ -1,6 +1,8 @@
 """The reference policy of a KL term (`algorithm.kl_coef` > 0): the starting checkpoint, frozen.
 
-It is loaded only when a KL term asks for it, in the training dtype, beside the policy in each learner process.
+Under LoRA it is not loaded: the policy with its adapter switched off is the starting checkpoint (lora.py,
+`AdapterOff`). Otherwise it is loaded only when a KL term asks for it, in the training dtype, beside the policy
+in each learner process.
 Under ZeRO-3 it is partitioned like the policy (a DeepSpeed engine without an optimizer, as OpenRLHF's reference),
 so no process holds the whole model; under ZeRO-0/1/2 each process holds a copy, as it does of the policy's
 weights. Its logprobs are computed once per step, before the update, over the same micro-batches as the policy's

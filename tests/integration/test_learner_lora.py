@@ -1,0 +1,139 @@
+"""LoRA on the DeepSpeed learner (Ray actors, gloo): an update moves only the adapted weights, every weight that
+leaves the learner is the merged plain model, the KL reference is the base with the adapter off, and an
+adapter-only checkpoint resumes bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlep.services.learner.config import LORA_TARGETS
+from tests.learner_batches import synthetic_batch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LR = 1e-3
+
+
+def start_policy(model_dir, lora=True, kl_coef=0.0, stage=2, processes=1):
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.ray_policy import RayPolicy
+
+    config = TrainConfig.model_validate(
+        {
+            "seed": 11,
+            "algorithm": {"questions_per_step": 4, "mini_batch_questions": 2, "kl_coef": kl_coef},
+            "optim": {"lr": LR, "warmup_steps": 0, "weight_decay": 0.0, "micro_batch_size": 3},
+            "deepspeed": {"zero_stage": stage, "num_processes": processes},
+            "lora": {"rank": 4, "alpha": 8.0} if lora else {},
+            "local": {"learner_cpus": 0.5},
+        }
+    )
+    return RayPolicy(model_dir, config)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from rlep.common.tiny_model import cached_model
+
+    return cached_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir) -> dict[str, torch.Tensor]:
+    """The starting checkpoint's tensors, tied head left out (as pushes leave it out)."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    return {k: v for k, v in state.items() if k != "lm_head.weight"}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return synthetic_batch(vocab=100, pad_id=0)
+
+
+def adapted(name: str) -> bool:
+    return name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in LORA_TARGETS
+
+
+def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(
+    ray_local, model_dir, plain, batch, tmp_path
+):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    policy = start_policy(model_dir)
+    try:
+        initial = policy.state_dict()
+        manifest = [name for name, _ in policy.weight_manifest()]
+        stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
+        final = policy.state_dict()
+        policy.save_hf(tmp_path / "hf", model_dir)
+    finally:
+        policy.close()
+    # B starts at 0: the first push is the starting checkpoint, under its own names and in its order.
+    assert list(initial) == manifest == list(plain)
+    assert all(torch.equal(initial[k], plain[k]) for k in plain)
+    moved = {k for k in final if not torch.equal(final[k], initial[k])}
+    assert moved == {k for k in final if adapted(k)}  # biases, norms, embeddings stay the base's
+    assert stats["optimizer_steps"] == 2.0
+    # The export is a plain HF checkpoint: no adapter tensors, loadable without PEFT, equal to what is pushed.
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert not [k for k in exported if "lora" in k or "base_layer" in k]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], final[k]) for k in final)
+
+
+def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir, batch):
+    policy = start_policy(model_dir, kl_coef=0.1)
+    try:
+        before = policy.reference_logprobs(batch)
+        old = policy.logprobs(batch)
+        for _ in range(2):
+            with_old = batch.with_old_logprobs(policy.logprobs(batch)).with_ref_logprobs(before)
+            stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
+        after, now = policy.reference_logprobs(batch), policy.logprobs(batch)
+    finally:
+        policy.close()
+    assert torch.equal(before, old)  # B = 0: the policy starts as the base
+    assert torch.equal(after, before)  # the updates moved the policy, never its reference
+    assert (now - old).abs().max() > 1e-3 and stats["kl_ref"] > 0
+
+
+def test_an_adapter_checkpoint_resumes_exactly(ray_local, model_dir, batch, tmp_path):
+    policy = start_policy(model_dir)
+    try:
+        with_old = batch.with_old_logprobs(policy.logprobs(batch))
+        for _ in range(2):
+            policy.update(with_old, rows_per_mini_batch=batch.size // 2)
+        policy.save_checkpoint(tmp_path, "step_2", policy.rng_state())
+        uninterrupted = policy.update(with_old, rows_per_mini_batch=batch.size // 2), policy.state_dict()
+    finally:
+        policy.close()
+    saved = torch.load(tmp_path / "step_2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the frozen base is not saved
+
+    resumed = start_policy(model_dir)
+    try:
+        resumed.load_checkpoint(tmp_path, "step_2")
+        after = resumed.update(with_old, rows_per_mini_batch=batch.size // 2), resumed.state_dict()
+    finally:
+        resumed.close()
+    assert after[0] == uninterrupted[0]
+    assert after[1].keys() == uninterrupted[1].keys()
+    assert all(torch.equal(after[1][k], uninterrupted[1][k]) for k in after[1])
+
+
+def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model_dir, tmp_path):
+    full = start_policy(model_dir, lora=False)
+    try:
+        full.save_checkpoint(tmp_path, "step_0", full.rng_state())
+    finally:
+        full.close()
+    policy = start_policy(model_dir)
+    try:
+        with pytest.raises(Exception, match="not this run's LoRA adapter"):
+            policy.load_checkpoint(tmp_path, "step_0")
+    finally:
+        policy.close()
