@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlep.common.ray_local import init_ray
+from rlep.services.cli.errors import UserError
 from rlep.services.cli.stack import ServiceStack
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import load_questions
@@ -53,7 +54,10 @@ def run_training(
     services = stack.services if not own_stack else stack.start(algo.replayed_per_question > 0 or algo.online_replay)
     if services.replay is not None and algo.replayed_per_question > 0 and config.data.seed_pool_from_candidates:
         seed_pool_from_candidates(services.replay, config.replay_pool, config.data.train_files)
-    say_dtypes(config, services.rollout)
+    statuses = services.rollout.status()
+    say_dtypes(config, statuses)
+    if problem := logprobs_mode_problem(config.algorithm.logprobs_mode, {s.logprobs_mode for s in statuses}):
+        raise UserError(problem)
     policy = RayPolicy(model_dir, config)
     metrics_server = _start_metrics(config)
     trainer, sinks = None, []
@@ -124,9 +128,26 @@ def dtypes_line(learner: str, rollout: set[str]) -> tuple[int, str]:
     )
 
 
-def say_dtypes(config: TrainConfig, rollout) -> None:
-    level, line = dtypes_line(LEARNER_DTYPES[config.deepspeed.dtype], {s.dtype for s in rollout.status()})
+def say_dtypes(config: TrainConfig, statuses) -> None:
+    level, line = dtypes_line(LEARNER_DTYPES[config.deepspeed.dtype], {s.dtype for s in statuses})
     log.log(level, "%s", line)
+
+
+def logprobs_mode_problem(wanted: str, served: set[str]) -> str | None:
+    """Why the replicas' sampled logprobs cannot be compared with the learner's (`algorithm.logprobs_mode`), or None.
+    A replica that does not say (an older server) returns vLLM's default, raw logprobs."""
+    modes = {mode or "raw_logprobs" for mode in served}
+    if modes <= {wanted}:
+        return None
+    why = (
+        "a behavior correction under tempered or top-p sampling weights by the sampling distribution"
+        if wanted == "processed_logprobs"
+        else "without a tempered behavior correction the learner compares the model's own distribution"
+    )
+    return (
+        f"the rollout replicas return {'/'.join(sorted(modes))} but this run needs {wanted} ({why}): "
+        f"start them with engine.logprobs_mode: {wanted}"
+    )
 
 
 def _start_metrics(config: TrainConfig):

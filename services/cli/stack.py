@@ -126,7 +126,10 @@ class ServiceStack:
         from rlep.services.rollout.ray_app import build_app
 
         local = self.config.local
-        engine = local.rollout_engine.model_copy(update={"model": str(self.model_dir)})
+        # The replicas return the logprobs the learner compares theirs with (`algorithm.logprobs_mode`).
+        engine = local.rollout_engine.model_copy(
+            update={"model": str(self.model_dir), "logprobs_mode": self.config.algorithm.logprobs_mode}
+        )
         config = RolloutConfig(engine=engine, server=auth or {}, initial_version=policy_version_of(self.model_dir))
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         serve.run(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,6 +39,9 @@ class ExperienceBatch:
     old_logprobs: Tensor | None = None  # [N, L-1] float, filled in before the update
     behavior_logprobs: Tensor | None = None  # [N, L-1] float, the sampler's; NaN where none (only when asked)
     ref_logprobs: Tensor | None = None  # [N, L-1] float, the reference policy's (only with a KL term)
+    # [N, L-1] float, the old policy as the sampler draws from it (temperature, top-p; `processed_logprobs`): only
+    # with a behavior correction under tempered sampling, whose weights it then gives (mismatch.py)
+    old_processed_logprobs: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -62,6 +66,9 @@ class ExperienceBatch:
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[index, : length - 1],
             behavior_logprobs=(None if self.behavior_logprobs is None else self.behavior_logprobs[index, : length - 1]),
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[index, : length - 1],
+            old_processed_logprobs=(
+                None if self.old_processed_logprobs is None else self.old_processed_logprobs[index, : length - 1]
+            ),
         )
 
     def to(self, device: torch.device) -> ExperienceBatch:
@@ -86,6 +93,13 @@ class ExperienceBatch:
         if ref_logprobs.shape != self.loss_mask.shape:
             raise ValueError(f"ref_logprobs must be {tuple(self.loss_mask.shape)}, got {tuple(ref_logprobs.shape)}")
         return replace(self, ref_logprobs=ref_logprobs)
+
+    def with_old_processed_logprobs(self, logprobs: Tensor) -> ExperienceBatch:
+        if logprobs.shape != self.loss_mask.shape:
+            raise ValueError(
+                f"old_processed_logprobs must be {tuple(self.loss_mask.shape)}, got {tuple(logprobs.shape)}"
+            )
+        return replace(self, old_processed_logprobs=logprobs)
 
 
 def layout_rows(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -174,6 +188,23 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     return logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
+def processed_logprobs(logits: Tensor, targets: Tensor, temperature: float, top_p: float) -> Tensor:
+    """`[C, V]` logits and `[C]` targets -> `[C]` logprob of each target under the distribution a sampler at
+    `temperature` and `top_p` draws from: vLLM's `processed_logprobs` (v1 sampler, `apply_top_k_top_p_pytorch`):
+    float32 logits / temperature; the top-p nucleus keeps, in descending probability, the tokens whose smaller
+    neighbours' mass exceeds 1 - top_p (always the most likely one); log-softmax over the nucleus. A target outside
+    the nucleus gets -inf (the sampler could not have drawn it)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding has no sampling distribution), got {temperature}")
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        ascending, order = scaled.sort(dim=-1)
+        dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[:, -1] = False  # at least the most likely token
+        scaled = scaled.masked_fill(torch.zeros_like(dropped).scatter_(-1, order, dropped), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 def token_entropy(logits: Tensor) -> Tensor:
     """`[N, L, V]` -> `[N, L-1]` entropy of the next-token distribution (full-vocab reference, no gradient)."""
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -187,9 +218,16 @@ SCORE_CHUNK_POSITIONS = 1024
 
 
 def _chunk_scores(
-    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, with_entropy: bool, entropy_grad: bool = False
+    head: Callable[[Tensor], Tensor],
+    hidden: Tensor,
+    targets: Tensor,
+    with_entropy: bool,
+    entropy_grad: bool = False,
+    sampling: Sampling | None = None,
 ):
     """`[C, H]` inputs of the head and `[C]` targets -> (`[C]` logprobs, `[C]` entropy or None)."""
+    if sampling is not None:  # the distribution the sampler draws from, not the model's own
+        return processed_logprobs(head(hidden), targets, *sampling), None
     # The fused log_softmax is faster on CPU than logsumexp + subtraction, and is the reference's formula.
     chunk_logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [C, V]
     logprobs = chunk_logprobs.gather(-1, targets[:, None]).squeeze(-1)
@@ -202,6 +240,14 @@ def _chunk_scores(
     return logprobs, entropy
 
 
+class Sampling(NamedTuple):
+    """A sampler's temperature and top-p: `token_scores` given one returns the logprobs of the distribution it
+    draws from (`processed_logprobs`) instead of the model's own."""
+
+    temperature: float
+    top_p: float
+
+
 def token_scores(
     hidden: Tensor,
     head: Callable[[Tensor], Tensor],
@@ -209,6 +255,7 @@ def token_scores(
     with_entropy: bool = True,
     chunk_positions: int = SCORE_CHUNK_POSITIONS,
     entropy_grad: bool = False,
+    sampling: Sampling | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob and entropy of every next token, `chunk_positions` positions at a time.
 
@@ -223,20 +270,22 @@ def token_scores(
         tokens: `[N, L]` token ids; position j is scored against token j+1.
         with_entropy: also compute the entropy (detached); None in its place otherwise.
         entropy_grad: let the gradient flow through the entropy too (an entropy bonus).
+        sampling: score the distribution this sampler draws from (`processed_logprobs`) instead; no entropy.
 
     Returns:
         `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`.
     """
+    with_entropy = with_entropy and sampling is None
     rows, length = tokens.shape
     flat_hidden = hidden[:, :-1].reshape(rows * (length - 1), hidden.shape[-1])  # [N*(L-1), H]
     targets = tokens[:, 1:].reshape(-1)  # [N*(L-1)]
     logprobs, entropy = [], []
     for start in range(0, targets.numel(), chunk_positions):
         chunk = (head, flat_hidden[start : start + chunk_positions], targets[start : start + chunk_positions])
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and sampling is None:
             lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _chunk_scores(*chunk, with_entropy)
+            lp, ent = _chunk_scores(*chunk, with_entropy, sampling=sampling)
         logprobs.append(lp)
         entropy.append(ent)
     shape = (rows, length - 1)
@@ -279,7 +328,12 @@ class ScoringModel(torch.nn.Module):
         self.plain_head = has_plain_lm_head(model.config)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = True, entropy_grad: bool = False
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        with_entropy: bool = True,
+        entropy_grad: bool = False,
+        sampling: Sampling | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """`[N, L]` ids and mask -> (`[N, L-1]` logprobs, `[N, L-1]` entropy or None); see `token_scores`."""
         if self.plain_head:
@@ -289,7 +343,7 @@ class ScoringModel(torch.nn.Module):
         else:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             head = torch.nn.Identity()
-        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions, entropy_grad)
+        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions, entropy_grad, sampling)
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)

@@ -91,10 +91,12 @@ class AlgorithmConfig(StrictModel):
     logprob (AReaL's decoupled objective, truncated as in TIS); replayed rows get weight 1. `seq_truncated_is`: the
     sequence's ratio, truncated, on all its tokens; `masked_is` (IcePop): tokens whose ratio leaves [1/cap, cap] are
     left out; `seq_masked_is`: sequences whose geometric-mean ratio leaves it are (docs/mismatch.md). They correct
-    the train/inference mismatch at any staleness, 0 included. Each needs temperature 1 and top_p 1 (the learner
-    scores the untempered policy). `auto` (default): `truncated_is` when max_staleness >= 1 and the sampler is
-    untempered, else `none` — so the synchronous step stays the paper's. Measured on the demo with k=1: `none`
-    lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous run."""
+    the train/inference mismatch at any staleness, 0 included. Under tempered or top-p sampling the ratio is of the
+    sampling distributions: the replicas return vLLM's `processed_logprobs` and the learner scores its old policy at
+    the same temperature and top-p (one more forward pass per step). `auto` (default): `truncated_is` when
+    max_staleness >= 1 and the sampler is untempered, else `none` — so the synchronous step stays the paper's.
+    Measured on the demo with k=1: `none` lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous
+    run."""
     kl_coef: float = Field(0.0, ge=0)
     """Beyond DAPO and RLEP (which run without one): a KL term to the reference policy, the starting checkpoint
     (docs/algorithm.md, *KL and entropy*). 0 = none, and no reference model is loaded."""
@@ -120,6 +122,13 @@ class AlgorithmConfig(StrictModel):
     @property
     def untempered(self) -> bool:
         return self.temperature == 1.0 and self.top_p == 1.0
+
+    @property
+    def logprobs_mode(self) -> Literal["raw_logprobs", "processed_logprobs"]:
+        """Which of vLLM's logprobs the sampler returns and the learner compares them with: the model's own (raw),
+        or, for a behavior correction under tempered or top-p sampling, those of the distribution sampled from
+        (processed: the importance weight is a ratio of the sampling distributions)."""
+        return "processed_logprobs" if self.correction != "none" and not self.untempered else "raw_logprobs"
 
     @property
     def correction(self) -> str:
@@ -306,6 +315,30 @@ class LoggingConfig(StrictModel):
     `<run dir>/generations.jsonl` and as a TensorBoard / W&B table (`generations`); 0 = none."""
 
 
+# The attention and MLP projections of Llama, Qwen2 and Mistral-like decoders.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(StrictModel):
+    """Beyond the reference (off by default): train PEFT LoRA adapters instead of every weight (docs/lora.md).
+    Rollout is pushed, and checkpoints exported, merged weights W + (alpha / rank) B A under the base model's names."""
+
+    rank: int = Field(0, ge=0)
+    """r, the adapters' rank; 0 = no LoRA: every weight trains (the recipe)."""
+    alpha: float = Field(16.0, gt=0)
+    """lora_alpha: the update B A is scaled by alpha / rank."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Names (last component) of the linear layers that get an adapter; default: the attention and MLP projections
+    of Llama / Qwen2. Only linear layers: an embedding or head named here is refused at start."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training. Above 0 the update's forward differs from the old-logprob
+    pass (run without dropout), so the PPO ratio no longer starts at exactly 1."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainConfig(StrictModel):
     run_id: str = "rlep"
     model: str = "tiny"
@@ -317,6 +350,8 @@ class TrainConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning; off (rank 0) by default."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     endpoints: EndpointsConfig = EndpointsConfig()
     local: LocalServicesConfig = LocalServicesConfig()
@@ -342,6 +377,16 @@ class TrainConfig(StrictModel):
     """Certificate and key of /metrics: with both set it serves HTTPS only (as every service's port can)."""
 
     @model_validator(mode="after")
+    def _lora_supported(self) -> TrainConfig:
+        if self.lora.enabled and self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "lora.rank > 0 is not supported under deepspeed.zero_stage 3 (the merged-weight push and the adapter "
+                "checkpoint are built and tested for ZeRO-0/1/2): use zero_stage 2, whose frozen base weights are not "
+                "held by the optimizer anyway"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:
         if self.algorithm.mini_batch_questions > self.algorithm.questions_per_step:
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")
@@ -362,10 +407,9 @@ class TrainConfig(StrictModel):
                 "(Duplicate GPU detected): give each process a whole GPU (learner_gpus: 1) or use one process"
             )
         algo = self.algorithm
-        if algo.behavior_correction not in ("auto", "none") and not algo.untempered:
+        if algo.correction != "none" and algo.temperature == 0:
             raise ValueError(
-                f"algorithm.behavior_correction={algo.behavior_correction} needs temperature 1 and top_p 1: the "
-                f"learner scores the untempered policy, so its ratio to the sampler at temperature "
-                f"{algo.temperature} / top_p {algo.top_p} is not an importance weight"
+                f"algorithm.behavior_correction={algo.behavior_correction} needs temperature > 0: greedy decoding has "
+                "no sampling distribution to weight by"
             )
         return self

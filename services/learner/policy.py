@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
-from rlep.services.learner.batch import ExperienceBatch, ScoringModel, mini_batches
+from rlep.services.learner.batch import ExperienceBatch, Sampling, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (
     TRAIN_DTYPES,
@@ -38,6 +38,7 @@ from rlep.services.learner.deepspeed_setup import (
     init_distributed,
     load_model,
 )
+from rlep.services.learner.lora import AdapterOff, AdapterScoringModel, apply_lora, base_model, merged_weights
 from rlep.services.learner.micro_batch_plan import MicroBatch, plan_micro_batches
 from rlep.services.learner.mismatch import correction_weights
 from rlep.services.learner.reference import load_reference
@@ -89,10 +90,11 @@ class DeepSpeedPolicy:
         ds_config = deepspeed_config(config, world_size, self.adam)
         model = load_model(model_dir, config, ds_config)
         self.tied = bool(model.config.tie_word_embeddings)
-        scorer = ScoringModel(model)  # forwards run with use_cache=False
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=scorer, model_parameters=list(scorer.parameters()), config=ds_config
-        )
+        self.lora = config.lora.enabled  # only the adapters train (lora.py)
+        model = apply_lora(model, config.lora) if self.lora else model
+        scorer = (AdapterScoringModel if self.lora else ScoringModel)(model)  # forwards run with use_cache=False
+        trained = [p for p in scorer.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=scorer, model_parameters=trained, config=ds_config)
         self.device: torch.device = torch.device(self.engine.device)
         log.info("learner rank %d on %s, %s AdamW, ZeRO-%d", rank, self.device, self.adam, ds.zero_stage)
         self.shuffle = torch.Generator().manual_seed(config.seed + 1)
@@ -101,7 +103,11 @@ class DeepSpeedPolicy:
         self._sender: WeightSender | None = None  # weight broadcast (rank 0), joined on first use
         self._pusher = WeightPusher()  # payload pushes from this process (rank 0)
         # The KL term's reference (reference.py): loaded only when a KL term is on.
-        self.reference = load_reference(model_dir, config, ds_config, self.device) if config.algorithm.kl_coef else None
+        self.reference = None
+        if config.algorithm.kl_coef and self.lora:  # the policy with its adapter off: the base never trains
+            self.reference = AdapterOff(self.engine, model)
+        elif config.algorithm.kl_coef:
+            self.reference = load_reference(model_dir, config, ds_config, self.device)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -126,13 +132,24 @@ class DeepSpeedPolicy:
             raise RuntimeError("no reference policy: algorithm.kl_coef is 0")
         return self._score(self.reference, batch)
 
-    def _score(self, module, batch: ExperienceBatch) -> torch.Tensor:
+    @torch.no_grad()
+    def processed_logprobs(self, batch: ExperienceBatch, temperature: float, top_p: float) -> torch.Tensor:
+        """`logprobs` of the distribution a sampler at `temperature` and `top_p` draws from under the current
+        weights (vLLM's `processed_logprobs`): what a behavior correction compares under tempered sampling."""
+        self.engine.eval()
+        return self._score(self.engine, batch, Sampling(temperature, top_p))
+
+    def _score(self, module, batch: ExperienceBatch, sampling: Sampling | None = None) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         for rows, scale in self._micro_batches(batch, torch.arange(batch.size)):
             sub = batch.select(rows).to(self.device)
-            logprobs, _ = module(input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False)
+            logprobs, _ = module(
+                input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False, sampling=sampling
+            )
             if scale:  # padding positions get 0, so the result does not depend on which rows shared a pass
-                out[rows.to(self.device), : sub.loss_mask.shape[1]] = logprobs * sub.attention_mask[:, 1:]
+                # (where, not a product: a processed logprob can be -inf, and -inf * 0 is NaN)
+                kept = torch.where(sub.attention_mask[:, 1:].bool(), logprobs, 0.0)
+                out[rows.to(self.device), : sub.loss_mask.shape[1]] = kept
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -254,7 +271,9 @@ class DeepSpeedPolicy:
         algo = self.config.algorithm
         if algo.correction == "none" or sub.behavior_logprobs is None:
             return None
-        return correction_weights(algo.correction, sub.old_logprobs, sub.behavior_logprobs, algo.behavior_weight_cap)
+        # Like with like: under tempered sampling the sampler's logprobs are of its processed distribution.
+        old = sub.old_processed_logprobs if sub.old_processed_logprobs is not None else sub.old_logprobs
+        return correction_weights(algo.correction, old, sub.behavior_logprobs, algo.behavior_weight_cap)
 
     def _sum_over_processes(self, sums: torch.Tensor) -> list[float]:
         """Each process saw its share of the rows: the step's statistics are sums over all processes. The
@@ -280,6 +299,9 @@ class DeepSpeedPolicy:
 
         dtype = dtype or self.checkpoint_dtype
         module = self.hf_model
+        if self.lora:  # merged, under the base model's names (ZeRO-3 is refused with LoRA: nothing to gather)
+            yield from merged_weights(module, dtype, skip=frozenset({"lm_head.weight"} if self.tied else ()))
+            return
         params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
         gather = self.config.deepspeed.zero_stage == 3
         for name in module.state_dict():
@@ -324,14 +346,17 @@ class DeepSpeedPolicy:
         if self.rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.hf_model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        base_model(self.hf_model).save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         config = copy.deepcopy(self.hf_model.config)
         config.dtype = self.train_dtype
         config.save_pretrained(out_dir)
         copy_tokenizer_files(tokenizer_dir, out_dir)
 
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+        # Under LoRA the frozen base is the starting checkpoint: only the adapters and their optimizer state are saved.
+        self.engine.save_checkpoint(
+            str(directory), tag=tag, client_state=client_state, exclude_frozen_parameters=self.lora
+        )
 
     def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict[str, Any]:
         _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)

@@ -200,7 +200,11 @@ class Trainer:
                 batch = batch.with_ref_logprobs(self.policy.reference_logprobs(batch))
                 if algo.kl_in == "reward":
                     batch = with_kl_reward_penalty(batch, algo.kl_coef, algo.kl_estimator)
-            measured = (batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, algo.behavior_weight_cap)
+            old = batch.old_logprobs
+            if algo.logprobs_mode == "processed_logprobs":  # the replicas' logprobs are of the tempered distribution
+                old = self.policy.processed_logprobs(batch, algo.temperature, algo.top_p)
+                batch = batch.with_old_processed_logprobs(old)
+            measured = (old, batch.behavior_logprobs, batch.loss_mask, algo.behavior_weight_cap)
             mismatch = rollout_mismatch(*measured)
             figures = {f"rollout_mismatch_{k}": v for k, v in mismatch.figures().items()} if mismatch else {}
             if algo.correction != "none":
@@ -281,7 +285,8 @@ class Trainer:
             ),
         )
         groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)]
-        outcomes = [o for group in verify_groups(self.services.verifier, groups) for o in group]
+        verified = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
+        outcomes = [o for group in verified for o in group]
         return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
 
     def _record(

@@ -233,4 +233,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             generated_tokens=self._engine.generated_tokens,
             pid=os.getpid(),
             dtype=self._engine.dtype,
+            logprobs_mode=self._config.engine.logprobs_mode,
         )

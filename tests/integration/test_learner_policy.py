@@ -279,3 +279,30 @@ def test_a_kl_term_compares_with_the_frozen_starting_weights(ray_local, model_di
     assert (moved[mask] - old[mask]).abs().max() > 1e-4  # while the policy moved
     assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one mini-batch: scored before its only update
     assert second["kl_ref"] > 1e-7
+
+
+@pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
+def test_the_processed_view_is_the_tempered_nucleus_of_the_same_forward(ray_local, model_dir, batch, stage, processes):
+    """`processed_logprobs` of a DeepSpeed policy (each rank its rows, summed): at T=1, top_p=1 the raw logprobs;
+    at T=0.7, top_p=0.9 those of transformers' logits through `processed_logprobs` on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from rlep.services.learner.batch import processed_logprobs
+
+    policy = start_policy(model_dir, stage, processes)
+    try:
+        raw, untempered = policy.logprobs(batch), policy.processed_logprobs(batch, 1.0, 1.0)
+        tempered = policy.processed_logprobs(batch, 0.7, 0.9)
+    finally:
+        policy.close()
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(untempered[mask], raw[mask], atol=1e-5, rtol=0.0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits[:, :-1]
+    expected = processed_logprobs(logits.reshape(-1, logits.shape[-1]), batch.tokens[:, 1:].reshape(-1), 0.7, 0.9)
+    expected = expected.view(mask.shape)
+    assert torch.equal(torch.isinf(tempered[mask]), torch.isinf(expected[mask]))
+    finite = mask & torch.isfinite(expected)
+    torch.testing.assert_close(tempered[finite], expected[finite], atol=1e-4, rtol=0.0)
+    assert (tempered[finite] - raw[finite]).abs().max() > 1e-2  # a different distribution from the raw one

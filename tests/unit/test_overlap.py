@@ -97,15 +97,23 @@ def test_the_batch_carries_sampler_logprobs_of_fresh_rows_only_in_the_loss_layou
     assert batch.select([0]).behavior_logprobs.shape == (1, 3)
 
 
-def test_truncated_is_is_refused_where_the_sampler_is_tempered():
+def test_a_correction_under_tempered_sampling_compares_processed_logprobs_and_greedy_is_refused():
     from pydantic import ValidationError
 
     from rlep.services.learner.config import TrainConfig
 
     base = {"model": "m", "data": {"train_files": ["t.parquet"]}}
-    TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is"}})
-    with pytest.raises(ValidationError, match="temperature 1 and top_p 1"):
-        TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is", "temperature": 0.7}})
+    untempered = TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is"}})
+    assert untempered.algorithm.logprobs_mode == "raw_logprobs"
+    for sampler in ({"temperature": 0.7}, {"top_p": 0.95}):
+        tempered = TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "masked_is", **sampler}})
+        assert tempered.algorithm.logprobs_mode == "processed_logprobs"
+    # Measuring alone compares raw logprobs at any sampling settings (docs/mismatch.md).
+    assert TrainConfig.model_validate(base | {"algorithm": {"temperature": 0.7}}).algorithm.logprobs_mode == (
+        "raw_logprobs"
+    )
+    with pytest.raises(ValidationError, match="temperature > 0"):
+        TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "truncated_is", "temperature": 0}})
     with pytest.raises(ValidationError, match="behavior_correction"):
         TrainConfig.model_validate(base | {"algorithm": {"behavior_correction": "sampler"}})
 

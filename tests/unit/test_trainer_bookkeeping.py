@@ -232,3 +232,38 @@ def test_keep_last_bounds_the_checkpoints_on_disk(tokenizer, tmp_path):
         assert kept == [f"step_{s}" for s in range(max(1, step - 1), step + 1)]
     assert all((ckpt / tag / "hf" / "model.safetensors").exists() for tag in ("step_4", "step_5"))
     assert sorted(p.name for p in ckpt.iterdir()) == ["generations.jsonl", "latest", "log.jsonl", "step_4", "step_5"]
+
+
+class SamplerViewPolicy(MemoryPolicy):
+    """Its processed view of the sampler's distribution agrees with the sampler to the last bit; its raw view
+    (`logprobs`, zeros) does not: which one a step compares shows in the record."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[tuple[float, float]] = []
+        self.trained = None
+
+    def processed_logprobs(self, batch, temperature, top_p):
+        self.asked.append((temperature, top_p))
+        sampled = ~torch.isnan(batch.behavior_logprobs)
+        return torch.where(sampled, batch.behavior_logprobs, 0.0)
+
+    def update(self, batch, rows_per_mini_batch):
+        self.trained = batch
+        return super().update(batch, rows_per_mini_batch)
+
+
+@pytest.mark.parametrize(("sampling", "processed"), [({"temperature": 0.7, "top_p": 0.95}, True), ({}, False)])
+def test_a_tempered_correction_compares_the_processed_view(tokenizer, tmp_path, sampling, processed):
+    policy = SamplerViewPolicy()
+    algorithm = {"behavior_correction": "masked_is", **sampling}
+    trainer = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=1, algorithm=algorithm)
+    trainer.start()
+    record = trainer.train_step()
+    if processed:  # the learner's processed view, at the sampler's settings, is what the figures and weights use
+        assert policy.asked == [(0.7, 0.95)]
+        assert policy.trained.old_processed_logprobs is not None
+        assert record.rollout_mismatch_kl == 0.0 and record.rollout_correction_weight_mean == 1.0
+    else:  # untempered: the raw view, no extra forward pass
+        assert policy.asked == [] and policy.trained.old_processed_logprobs is None
+        assert record.rollout_mismatch_kl > 0.0

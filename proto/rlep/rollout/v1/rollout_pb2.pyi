@@ -196,7 +196,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "requests_in_flight", "max_model_len", "vocab_size", "replica_id", "generated_tokens", "pid", "dtype")
+    __slots__ = ("policy_version", "model", "requests_in_flight", "max_model_len", "vocab_size", "replica_id", "generated_tokens", "pid", "dtype", "logprobs_mode")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class RolloutStatus(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     requests_in_flight: int
@@ -215,4 +216,5 @@ class RolloutStatus(_message.Message):
     generated_tokens: int
     pid: int
     dtype: str
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    logprobs_mode: str
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., dtype: _Optional[str] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
