@@ -36,14 +36,18 @@ class PythonScorer(ScoreRule):
 
     type: Literal["python"] = "python"
     function: str
-    """`module:function`, importable by the verifier (e.g. `rlep.services.verifier.scorers.countdown:score`). A
+    """`module:function`, importable by the verifier (e.g. `rlep.services.verifier.countdown:score`). A
     dict result needs a finite `score` and may carry an `extracted_answer` string."""
 
     @model_validator(mode="after")
     def _function_path(self) -> PythonScorer:
-        if not _FUNCTION_PATH.match(self.function):
+        if not _FUNCTION_PATH.fullmatch(self.function):
             raise ValueError(f"function {self.function!r} must be 'module:function'")
         return self
+
+
+# Tasks whose scorer ships with RLEP, routed by their data_source out of the box (as verl's default_compute_score).
+BUILTIN_SCORERS = {"countdown": PythonScorer(function="rlep.services.verifier.countdown:score")}
 
 
 class HttpScorer(ScoreRule):
@@ -109,10 +113,12 @@ class VerifierConfig(StrictModel):
     """Reward of a CORRECT verdict."""
     reward_wrong: float = -1.0
     """Reward of every other verdict (DAPO's verl recipe uses -1)."""
-    scorers: dict[str, ScorerSpec] = {}
+    scorers: dict[str, ScorerSpec] = Field(default_factory=lambda: dict(BUILTIN_SCORERS))
     """`data_source` -> scorer (`type`: math, python or http), as verl's `default_compute_score` routes. An item
     whose data_source is empty or not listed here gets `default_scorer`: datasets relabel their sources
-    (DAPO-Math-17k says `DAPO-17k`, RLEP's pool `dapo_math`), so an unlisted label must not fail a step."""
+    (DAPO-Math-17k says `DAPO-17k`, RLEP's pool `dapo_math`), so an unlisted label must not fail a step. By
+    default the built-in `countdown` task is listed (math-verify could not judge it anyway); a `scorers` you set
+    replaces the default mapping."""
     default_scorer: ScorerSpec = MathScorer()
     """The scorer of items whose data_source has no entry in `scorers`."""
 

@@ -484,3 +484,18 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "with-pool.parquet"]) == 0  # idempotent
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "plain.parquet"]) == 0  # no candidates
     replay.drop(pool, confirm=pool)
+
+
+def test_a_countdown_run_is_scored_by_the_countdown_scorer(loop_stack, tmp_path):
+    """Issue 33, part 4, end to end: questions whose data_source is `countdown` reach the verifier with it, which
+    routes them to the built-in countdown scorer (TinyZero's scale: 1 right, 0.1 a wrong equation, 0 none), not to
+    math-verify, whose verdict on any of them would be a wrong answer and reward_wrong (-1)."""
+    from rlep.services.cli.run import run_training
+    from rlep.services.verifier.countdown import countdown_rows
+
+    data = tmp_path / "countdown.parquet"
+    pq.write_table(pa.Table.from_pylist(countdown_rows(8, seed=1)), data)
+    config = train_config(tmp_path, data, replayed_per_question=0, overlong_buffer_tokens=0)
+    [record] = run_training(config.model_copy(update={"steps": 1}), stack=loop_stack, show_progress=False)
+    assert record.sequences == 16  # 4 questions x 4 fresh samples
+    assert 0.0 <= record.reward_mean <= 1.0  # every reward on countdown's scale; math-verify would give -1 each

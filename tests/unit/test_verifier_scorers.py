@@ -146,9 +146,16 @@ def test_a_failing_python_scorer_is_an_error_or_timeout(function, verdict):
     assert (result.verdict, result.score) == (verdict, None)
 
 
-def test_defaults_route_everything_to_math():
+def test_defaults_route_everything_to_math_but_the_built_in_countdown_task():
     config = VerifierConfig(num_workers=1)
-    assert config.scorers == {} and config.default_scorer == MathScorer()
+    assert config.default_scorer == MathScorer()
+    assert config.scorers == {"countdown": PythonScorer(function="rlep.services.verifier.countdown:score")}
+    assert VerifierConfig(num_workers=1, scorers={}).scorers == {}  # a mapping you set replaces the default one
+
+
+def test_a_function_path_with_a_trailing_newline_is_refused():
+    with pytest.raises(ValidationError, match="module:function"):
+        PythonScorer(function="rlep.services.verifier.countdown:score\n")
 
 
 def test_scorer_specs_are_checked_when_loaded():
