@@ -31,11 +31,17 @@ def _strings_encodable(value: Any) -> None:
             _strings_encodable(item)
 
 
+def strict_loads(text: str | bytes) -> Any:
+    """`json.loads` of strict JSON: NaN, Infinity and numbers that overflow to infinity raise ValueError, as any text
+    that is not JSON does (a JSONDecodeError is a ValueError)."""
+    return json.loads(text, parse_constant=_constant, parse_float=_finite)
+
+
 def strict_json_problem(body: bytes) -> str | None:
     """Why `body` is not strict JSON (NaN, Infinity, an overflowing or over-long number, a lone surrogate), or None.
     A body that is not JSON at all is not judged here (None): the framework's own parser reports it."""
     try:
-        value = json.loads(body, parse_constant=_constant, parse_float=_finite)
+        value = strict_loads(body)
     except json.JSONDecodeError:
         return None
     except (ValueError, RecursionError) as err:  # ours, int digits past Python's limit, nesting too deep

@@ -29,12 +29,14 @@ class VerifyOutcome:
 
 @dataclass(frozen=True)
 class ScoredItem:
-    """An item for a scorer other than the server's default: `data_source` picks it, `extra` is a JSON object."""
+    """One item to score, as a Verify call carries it (client and server alike)."""
 
     response: str
     ground_truth: str
     data_source: str = ""
+    """Picks the verifier's scorer; "" (or a label not in its `scorers`) picks its `default_scorer`."""
     extra: str = ""
+    """A JSON object's text for non-math scorers ("" = {})."""
 
 
 def _item(item: tuple[str, str] | ScoredItem) -> verifier_pb2.VerifyItem:

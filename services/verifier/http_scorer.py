@@ -23,11 +23,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rlep.common.files import read_token_file
+from rlep.common.strict_json import strict_loads
 from rlep.common.types import Verdict
 from rlep.services.verifier.config import HttpScorer
 from rlep.services.verifier.judge import CheckResult
 from rlep.services.verifier.pool import VerifyBatch
-from rlep.services.verifier.scoring import parse_extra, score_of, strict_loads, verdict_of
+from rlep.services.verifier.scoring import parse_extra, score_of, verdict_of
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rlep.common.types import Verdict
+from rlep.services.verifier.client import ScoredItem
 from rlep.services.verifier.config import HttpScorer, MathScorer, PythonScorer, ScorerSpec, VerifierConfig
 from rlep.services.verifier.http_scorer import RemoteScorer
 from rlep.services.verifier.judge import CheckResult, reward_of
@@ -23,18 +24,6 @@ from rlep.services.verifier.pool import VerifyBatch, VerifyPool
 from rlep.services.verifier.scoring import ScoreCall, load_function, parse_extra
 
 _DEFAULT = ""  # the route of `default_scorer` (no data_source)
-
-
-@dataclass(frozen=True)
-class VerifyInput:
-    """One item to score, as a Verify call carries it."""
-
-    response: str
-    ground_truth: str
-    data_source: str = ""
-    """Picks the scorer; "" (or a label not in `scorers`) picks `default_scorer`."""
-    extra: str = ""
-    """A JSON object's text for non-math scorers ("" = {})."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +83,7 @@ class Scorers:
     def route_of(self, data_source: str) -> str:
         return data_source if data_source in self._routes else _DEFAULT
 
-    def start(self, items: Sequence[VerifyInput], use_cache: bool = True) -> RoutedBatch:
+    def start(self, items: Sequence[ScoredItem], use_cache: bool = True) -> RoutedBatch:
         """Starts scoring every item. Raises ValueError, before any work, when an item's `extra` is not a JSON
         object."""
         for position, item in enumerate(items):

@@ -15,13 +15,13 @@ verifier's permissions, so configure only code you trust.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlep.common.strict_json import strict_loads
 from rlep.common.types import Verdict
 from rlep.services.verifier.judge import CheckOptions, CheckResult, cpu_time_limit
 
@@ -61,15 +61,6 @@ def parse_extra(text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError("extra must be a JSON object")
     return value
-
-
-def strict_loads(text: str | bytes) -> Any:
-    """`json.loads` that refuses NaN and Infinity (ValueError, as for any text that is not JSON)."""
-    return json.loads(text, parse_constant=_refuse_constant)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def score_of(value: Any, max_answer_chars: int) -> tuple[float, str]:

@@ -19,8 +19,9 @@ from rlep.common.grpc_utils import check_request_size
 from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
+from rlep.services.verifier.client import ScoredItem
 from rlep.services.verifier.config import VerifierConfig
-from rlep.services.verifier.routing import Scorers, VerifyInput
+from rlep.services.verifier.routing import Scorers
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
@@ -117,7 +118,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         own_limit = remaining_s is None or remaining_s >= limit_s
         try:
             batch = self._scorers.start(
-                [VerifyInput(item.response, item.ground_truth, item.data_source, item.extra) for item in request.items]
+                [ScoredItem(item.response, item.ground_truth, item.data_source, item.extra) for item in request.items]
             )
         except ValueError as err:  # an item's extra is not a JSON object
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
