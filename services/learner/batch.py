@@ -226,8 +226,10 @@ def _chunk_scores(
     sampling: Sampling | None = None,
 ):
     """`[C, H]` inputs of the head and `[C]` targets -> (`[C]` logprobs, `[C]` entropy or None)."""
-    if sampling is not None:  # the distribution the sampler draws from, not the model's own
-        return processed_logprobs(head(hidden), targets, *sampling), None
+    if sampling is not None:  # the model's own logprobs and those of the distribution the sampler draws from
+        logits = head(hidden)
+        raw = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        return raw, processed_logprobs(logits, targets, *sampling)
     # The fused log_softmax is faster on CPU than logsumexp + subtraction, and is the reference's formula.
     chunk_logprobs = torch.log_softmax(head(hidden).float(), dim=-1)  # [C, V]
     logprobs = chunk_logprobs.gather(-1, targets[:, None]).squeeze(-1)
@@ -270,10 +272,12 @@ def token_scores(
         tokens: `[N, L]` token ids; position j is scored against token j+1.
         with_entropy: also compute the entropy (detached); None in its place otherwise.
         entropy_grad: let the gradient flow through the entropy too (an entropy bonus).
-        sampling: score the distribution this sampler draws from (`processed_logprobs`) instead; no entropy.
+        sampling: a sampler whose distribution to score too (`processed_logprobs`, from the same logits): it
+            takes the entropy's place in the result.
 
     Returns:
-        `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`.
+        `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`; with `sampling`, the processed logprobs in
+        place of the entropy.
     """
     with_entropy = with_entropy and sampling is None
     rows, length = tokens.shape
@@ -289,7 +293,8 @@ def token_scores(
         logprobs.append(lp)
         entropy.append(ent)
     shape = (rows, length - 1)
-    return torch.cat(logprobs).view(shape), torch.cat(entropy).view(shape) if with_entropy else None
+    second = with_entropy or sampling is not None
+    return torch.cat(logprobs).view(shape), torch.cat(entropy).view(shape) if second else None
 
 
 # transformers model types whose logits are exactly `lm_head(decoder(...).last_hidden_state)`, and

@@ -93,7 +93,7 @@ class AlgorithmConfig(StrictModel):
     left out; `seq_masked_is`: sequences whose geometric-mean ratio leaves it are (docs/mismatch.md). They correct
     the train/inference mismatch at any staleness, 0 included. Under tempered or top-p sampling the ratio is of the
     sampling distributions: the replicas return vLLM's `processed_logprobs` and the learner scores its old policy at
-    the same temperature and top-p (one more forward pass per step). `auto` (default): `truncated_is` when
+    the same temperature and top-p, in the old-logprob pass. `auto` (default): `truncated_is` when
     max_staleness >= 1 and the sampler is untempered, else `none` — so the synchronous step stays the paper's.
     Measured on the demo with k=1: `none` lost 0.08 held-out accuracy, `truncated_is` agreed with the synchronous
     run."""

@@ -123,38 +123,50 @@ class DeepSpeedPolicy:
         non-zero on one process only), so every process returns the whole tensor, on the host.
         """
         self.engine.eval()
-        return self._score(self.engine, batch)
+        return self._score(self.engine, batch)[0]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: ExperienceBatch) -> torch.Tensor:
         """`logprobs` under the reference policy (the starting checkpoint; only with `algorithm.kl_coef` > 0)."""
         if self.reference is None:
             raise RuntimeError("no reference policy: algorithm.kl_coef is 0")
-        return self._score(self.reference, batch)
+        return self._score(self.reference, batch)[0]
 
     @torch.no_grad()
-    def processed_logprobs(self, batch: ExperienceBatch, temperature: float, top_p: float) -> torch.Tensor:
-        """`logprobs` of the distribution a sampler at `temperature` and `top_p` draws from under the current
-        weights (vLLM's `processed_logprobs`): what a behavior correction compares under tempered sampling."""
+    def logprobs_with_processed(
+        self, batch: ExperienceBatch, temperature: float, top_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs`, and from the same forward pass those of the distribution a sampler at `temperature` and
+        `top_p` draws from (vLLM's `processed_logprobs`): what a behavior correction compares under tempered
+        sampling."""
         self.engine.eval()
-        return self._score(self.engine, batch, Sampling(temperature, top_p))
+        logprobs, processed = self._score(self.engine, batch, Sampling(temperature, top_p))
+        return logprobs, processed
 
-    def _score(self, module, batch: ExperienceBatch, sampling: Sampling | None = None) -> torch.Tensor:
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+    def _score(
+        self, module, batch: ExperienceBatch, sampling: Sampling | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`[N, L-1]` logprobs, `[N, L-1]` processed logprobs when `sampling` is given, else None), on the host."""
+        outs = [torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)]
+        if sampling is not None:
+            outs.append(torch.zeros_like(outs[0]))
         for rows, scale in self._micro_batches(batch, torch.arange(batch.size)):
             sub = batch.select(rows).to(self.device)
-            logprobs, _ = module(
+            scores = module(
                 input_ids=sub.tokens, attention_mask=sub.attention_mask, with_entropy=False, sampling=sampling
             )
             if scale:  # padding positions get 0, so the result does not depend on which rows shared a pass
-                # (where, not a product: a processed logprob can be -inf, and -inf * 0 is NaN)
-                kept = torch.where(sub.attention_mask[:, 1:].bool(), logprobs, 0.0)
-                out[rows.to(self.device), : sub.loss_mask.shape[1]] = kept
+                for out, values in zip(outs, scores, strict=False):
+                    # (where, not a product: a processed logprob can be -inf, and -inf * 0 is NaN)
+                    kept = torch.where(sub.attention_mask[:, 1:].bool(), values, 0.0)
+                    out[rows.to(self.device), : sub.loss_mask.shape[1]] = kept
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(out)
-        return out.cpu()
+            for out in outs:
+                dist.all_reduce(out)
+        logprobs, *processed = (out.cpu() for out in outs)
+        return logprobs, processed[0] if processed else None
 
     def _micro_batches(self, batch: ExperienceBatch, rows: torch.Tensor) -> list[MicroBatch]:
         """This process's micro-batches of `rows` (micro_batch_plan.py): by length, within the row and token caps."""

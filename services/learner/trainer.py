@@ -195,15 +195,16 @@ class Trainer:
         # The sampler's logprobs ride along always: the mismatch is measured whether or not it is corrected.
         batch = build_batch(groups, self.tokenizer.pad_id, with_behavior=True)
         with timer.phase("train"):
-            batch = batch.with_old_logprobs(self.policy.logprobs(batch))
+            if algo.logprobs_mode == "processed_logprobs":  # the replicas' logprobs are of the tempered distribution
+                old, processed = self.policy.logprobs_with_processed(batch, algo.temperature, algo.top_p)
+                batch = batch.with_old_logprobs(old).with_old_processed_logprobs(processed)
+            else:
+                batch = batch.with_old_logprobs(self.policy.logprobs(batch))
             if algo.kl_coef > 0:  # a KL term to the starting checkpoint (not in the paper's recipe)
                 batch = batch.with_ref_logprobs(self.policy.reference_logprobs(batch))
                 if algo.kl_in == "reward":
                     batch = with_kl_reward_penalty(batch, algo.kl_coef, algo.kl_estimator)
-            old = batch.old_logprobs
-            if algo.logprobs_mode == "processed_logprobs":  # the replicas' logprobs are of the tempered distribution
-                old = self.policy.processed_logprobs(batch, algo.temperature, algo.top_p)
-                batch = batch.with_old_processed_logprobs(old)
+            old = batch.old_processed_logprobs if batch.old_processed_logprobs is not None else batch.old_logprobs
             measured = (old, batch.behavior_logprobs, batch.loss_mask, algo.behavior_weight_cap)
             mismatch = rollout_mismatch(*measured)
             figures = {f"rollout_mismatch_{k}": v for k, v in mismatch.figures().items()} if mismatch else {}

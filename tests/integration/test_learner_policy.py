@@ -283,19 +283,21 @@ def test_a_kl_term_compares_with_the_frozen_starting_weights(ray_local, model_di
 
 @pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
 def test_the_processed_view_is_the_tempered_nucleus_of_the_same_forward(ray_local, model_dir, batch, stage, processes):
-    """`processed_logprobs` of a DeepSpeed policy (each rank its rows, summed): at T=1, top_p=1 the raw logprobs;
-    at T=0.7, top_p=0.9 those of transformers' logits through `processed_logprobs` on the same weights."""
+    """`logprobs_with_processed` of a DeepSpeed policy (each rank its rows, summed): its logprobs are `logprobs`';
+    its processed ones at T=1, top_p=1 the raw logprobs, at T=0.7, top_p=0.9 those of transformers' logits through
+    `processed_logprobs` on the same weights."""
     from transformers import AutoModelForCausalLM
 
     from rlep.services.learner.batch import processed_logprobs
 
     policy = start_policy(model_dir, stage, processes)
     try:
-        raw, untempered = policy.logprobs(batch), policy.processed_logprobs(batch, 1.0, 1.0)
-        tempered = policy.processed_logprobs(batch, 0.7, 0.9)
+        raw, (alongside, untempered) = policy.logprobs(batch), policy.logprobs_with_processed(batch, 1.0, 1.0)
+        _, tempered = policy.logprobs_with_processed(batch, 0.7, 0.9)
     finally:
         policy.close()
     mask = batch.loss_mask.bool()
+    assert torch.equal(alongside, raw)  # the same forward pass's logprobs as the plain call's
     torch.testing.assert_close(untempered[mask], raw[mask], atol=1e-5, rtol=0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -14,7 +14,7 @@ from rlep.services.learner.ray_policy import PolicyProcess, RayPolicy
 
 # Every call but broadcast_address and sender_device (asked of rank 0 alone) goes to all ranks.
 RANK0_RESULT = {
-    "logprobs", "reference_logprobs", "processed_logprobs", "update", "state_dict", "push_weights",
+    "logprobs", "reference_logprobs", "logprobs_with_processed", "update", "state_dict", "push_weights",
     "load_checkpoint", "rng_state", "weight_manifest",
 }  # fmt: skip
 NO_RESULT = {"save_hf", "save_checkpoint", "broadcast_weights"}

@@ -53,11 +53,13 @@ def test_token_scores_give_the_processed_view_chunk_by_chunk():
     head = torch.nn.Linear(16, 40, bias=False)
     tokens = torch.randint(0, 40, (3, 9), generator=generator)
     with torch.no_grad():
-        got, entropy = token_scores(hidden, head, tokens, chunk_positions=5, sampling=Sampling(0.8, 0.9))
+        raw, processed = token_scores(hidden, head, tokens, chunk_positions=5, sampling=Sampling(0.8, 0.9))
+        plain, entropy = token_scores(hidden, head, tokens, chunk_positions=5, with_entropy=False)
         logits = head(hidden[:, :-1]).reshape(-1, 40)
         expected = processed_logprobs(logits, tokens[:, 1:].reshape(-1), 0.8, 0.9).view(3, 8)
     assert entropy is None
-    assert torch.equal(got, expected)
+    assert torch.equal(raw, plain)  # the model's own logprobs, from the same head application
+    assert torch.equal(processed, expected)
 
 
 def test_greedy_has_no_sampling_distribution():

@@ -243,10 +243,10 @@ class SamplerViewPolicy(MemoryPolicy):
         self.asked: list[tuple[float, float]] = []
         self.trained = None
 
-    def processed_logprobs(self, batch, temperature, top_p):
+    def logprobs_with_processed(self, batch, temperature, top_p):
         self.asked.append((temperature, top_p))
         sampled = ~torch.isnan(batch.behavior_logprobs)
-        return torch.where(sampled, batch.behavior_logprobs, 0.0)
+        return self.logprobs(batch), torch.where(sampled, batch.behavior_logprobs, 0.0)
 
     def update(self, batch, rows_per_mini_batch):
         self.trained = batch
