@@ -11,7 +11,7 @@ weight as W + (alpha / r) B A computed in float32 beside the training weights (n
 caller's dtype. So rollout and `hf/` need no PEFT, and vLLM and transformers load the export as any checkpoint.
 
 Not covered: ZeRO-3 (refused by the config), adapters on embeddings or convolutions, several adapters, pushing
-the adapter alone to vLLM (its LoRA path is not used: pushes are merged, docs/lora.md).
+the adapter alone to vLLM (measured slower per step than merged pushes: benchmarks/lora_push.py, docs/lora.md).
 """
 
 from __future__ import annotations
