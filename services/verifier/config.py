@@ -51,7 +51,7 @@ BUILTIN_SCORERS = {"countdown": PythonScorer(function="rlep.services.verifier.co
 
 
 class HttpScorer(ScoreRule):
-    """A remote scorer (e.g. a reward model served elsewhere): one POST per item, bounded and retried."""
+    """A remote scorer (e.g. a reward model served elsewhere): POSTs of `batch_size` items, bounded and retried."""
 
     type: Literal["http"] = "http"
     url: str = Field(pattern=r"^https?://")
@@ -68,7 +68,10 @@ class HttpScorer(ScoreRule):
     max_concurrency: int = Field(8, ge=1, le=1024)
     """Requests in flight to this scorer at once (its own thread pool)."""
     max_response_bytes: int = Field(65_536, ge=16)
-    """Longer answers are an ERROR."""
+    """Per item: an answer longer than this times the items it scores is an ERROR."""
+    batch_size: int = Field(1, ge=1, le=4096)
+    """Items per POST. 1: the body is one item and the answer one score; more: the body is a JSON list of up to
+    this many items and the answer a list of as many scores, in order (one request, one reward-model batch)."""
 
 
 ScorerSpec = Annotated[MathScorer | PythonScorer | HttpScorer, Field(discriminator="type")]

@@ -1,12 +1,16 @@
-"""A remote scorer over HTTP (e.g. a reward model served elsewhere): one bounded, retried POST per item.
+"""A remote scorer over HTTP (e.g. a reward model served elsewhere): bounded, retried POSTs of one item or a batch.
 
-The request body is `{"response", "ground_truth", "extra", "data_source"}` as JSON; the answer is a finite number
-or `{"score": number, "extracted_answer"?: string}` (checked by `score_of`, strict JSON: NaN and Infinity are
-refused). What bounds an item: `timeout_s` per connect and per read, the whole answer read within `timeout_s`
-(plus one read), at most `max_response_bytes`, `1 + retries` attempts, `max_concurrency` requests at once.
-Retried: 5xx, 429, timeouts and connection errors, after `backoff_s`, doubled each time. Not retried: other
-4xx (a wrong token stays wrong), redirects (never followed: they would carry the token elsewhere), bad bodies.
-Every failure is the item's ERROR verdict (TIMEOUT when the last attempt timed out); the call goes on.
+An item is `{"response", "ground_truth", "extra", "data_source"}`; its answer a finite number or `{"score": number,
+"extracted_answer"?: string}` (checked by `score_of`, strict JSON: NaN and Infinity are refused). With `batch_size`
+1 the body is one item and the answer one answer; above 1 the body is a JSON list of up to `batch_size` items and
+the answer must be a list of as many answers, in order (a reward model scores a batch in one forward pass, as
+OpenRLHF's remote reward model takes one). In a batch's answer an entry that is not a score is that item's ERROR, a
+list of the wrong length every item's. What bounds a request: `timeout_s` per connect and per read, the whole answer
+read within `timeout_s` (plus one read), at most `max_response_bytes` per item, `1 + retries` attempts,
+`max_concurrency` requests at once. Retried: 5xx, 429, timeouts and connection errors, after `backoff_s`, doubled
+each time. Not retried: other 4xx (a wrong token stays wrong), redirects (never followed: they would carry the token
+elsewhere), bad bodies. Every failure is its items' ERROR verdict (TIMEOUT when the last attempt timed out); the
+call goes on.
 
 The bearer token is read from its file once, at start, and is never logged; logs name the URL and status only.
 Proxies from the environment are not used: the scorer's URL is reached directly.
@@ -69,29 +73,44 @@ class RemoteScorer:
         self._executor = ThreadPoolExecutor(spec.max_concurrency, thread_name_prefix="http-scorer")
 
     def submit(self, batch: VerifyBatch, items: Sequence[tuple[int, tuple[str, str, str]]]) -> None:
-        """Scores (position, (response, ground_truth, extra)) items into `batch`, skipping them once it is cancelled."""
-        for index, item in items:
-            self._executor.submit(self._score_into, batch, index, item)
+        """Scores (position, (response, ground_truth, extra)) items into `batch`, `batch_size` per request, skipping
+        them once it is cancelled."""
+        size = self._spec.batch_size
+        for start in range(0, len(items), size):
+            self._executor.submit(self._score_into, batch, items[start : start + size])
 
-    def _score_into(self, batch: VerifyBatch, index: int, item: tuple[str, str, str]) -> None:
+    def _score_into(self, batch: VerifyBatch, chunk: Sequence[tuple[int, tuple[str, str, str]]]) -> None:
         if batch.cancelled:
-            self._on_skip()
+            for _ in chunk:
+                self._on_skip()
             return
-        batch.set_result(index, self.score(*item, cancelled=lambda: batch.cancelled))
+        results = self.score_many([item for _, item in chunk], cancelled=lambda: batch.cancelled)
+        for (index, _), result in zip(chunk, results, strict=True):
+            batch.set_result(index, result)
 
     def score(
         self, response: str, ground_truth: str, extra: str, cancelled: Callable[[], bool] = lambda: False
     ) -> CheckResult:
-        """One item's result; every outcome is a verdict (see the module docstring)."""
+        """One item's result, sent alone whatever `batch_size` is; every outcome is a verdict."""
+        return self._request([(response, ground_truth, extra)], batched=False, cancelled=cancelled)[0]
+
+    def score_many(
+        self, items: Sequence[tuple[str, str, str]], cancelled: Callable[[], bool] = lambda: False
+    ) -> list[CheckResult]:
+        """Results of (response, ground_truth, extra) items, in one request (a list when `batch_size` > 1)."""
+        if len(items) > self._spec.batch_size:
+            raise ValueError(f"{len(items)} items in one request; batch_size is {self._spec.batch_size}")
+        return self._request(items, batched=self._spec.batch_size > 1, cancelled=cancelled)
+
+    def _request(
+        self, items: Sequence[tuple[str, str, str]], batched: bool, cancelled: Callable[[], bool]
+    ) -> list[CheckResult]:
         started = time.perf_counter()
-        body = json.dumps(
-            {
-                "response": response,
-                "ground_truth": ground_truth,
-                "extra": parse_extra(extra),
-                "data_source": self._data_source,
-            }
-        ).encode()
+        bodies = [
+            {"response": r, "ground_truth": g, "extra": parse_extra(e), "data_source": self._data_source}
+            for r, g, e in items
+        ]
+        body = json.dumps(bodies if batched else bodies[0]).encode()
         failure = Verdict.ERROR
         for attempt in range(1 + self._spec.retries):
             if attempt:
@@ -99,7 +118,8 @@ class RemoteScorer:
             if cancelled():
                 break
             try:
-                score, extracted = score_of(self._post(body), self._max_answer_chars)
+                answer = self._post(body, self._spec.max_response_bytes * len(items))
+                answers = self._answers(answer, len(items)) if batched else [answer]
             except _Retryable as err:
                 log.warning("http scorer %s: attempt %d failed: %s", self._spec.url, attempt + 1, err)
                 failure = Verdict.TIMEOUT if err.timed_out else Verdict.ERROR
@@ -108,17 +128,34 @@ class RemoteScorer:
                 log.warning("http scorer %s: %s", self._spec.url, err)
                 failure = Verdict.ERROR
                 break
-            verdict = verdict_of(score, self._spec.success_threshold)
-            return CheckResult(verdict, extracted, time.perf_counter() - started, score)
-        return CheckResult(failure, "", time.perf_counter() - started)
+            seconds = (time.perf_counter() - started) / len(items)
+            return [self._result(one, seconds) for one in answers]
+        seconds = (time.perf_counter() - started) / len(items)
+        return [CheckResult(failure, "", seconds) for _ in items]
 
-    def _post(self, body: bytes) -> object:
-        """The parsed answer; `_Retryable` or ValueError (see `score`)."""
+    @staticmethod
+    def _answers(answer: object, count: int) -> list[object]:
+        if not isinstance(answer, list) or len(answer) != count:
+            got = f"a list of {len(answer)}" if isinstance(answer, list) else type(answer).__name__
+            raise ValueError(f"a batch of {count} items needs a list of {count} answers, not {got}")
+        return answer
+
+    def _result(self, answer: object, seconds: float) -> CheckResult:
+        """One item's answer as its result: ERROR when it is not a score (the other items of its batch stand)."""
+        try:
+            score, extracted = score_of(answer, self._max_answer_chars)
+        except ValueError as err:
+            log.warning("http scorer %s: %s", self._spec.url, err)
+            return CheckResult(Verdict.ERROR, "", seconds)
+        return CheckResult(verdict_of(score, self._spec.success_threshold), extracted, seconds, score)
+
+    def _post(self, body: bytes, max_bytes: int) -> object:
+        """The parsed answer; `_Retryable` or ValueError (see `_request`)."""
         spec = self._spec
         request = urllib.request.Request(spec.url, data=body, headers=self._headers, method="POST")
         try:
             with self._opener.open(request, timeout=spec.timeout_s) as reply:
-                text = _read_bounded(reply, spec.max_response_bytes, time.monotonic() + spec.timeout_s)
+                text = _read_bounded(reply, max_bytes, time.monotonic() + spec.timeout_s)
         except urllib.error.HTTPError as err:
             if err.code >= 500 or err.code == 429:
                 raise _Retryable(f"HTTP {err.code}") from None

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlep.common.types import Verdict
-from tests.integration.test_learner_loop import arithmetic_parquet, seed_pool, train_config
+from tests.loop_util import arithmetic_parquet, seed_pool, train_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -14,65 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlep.common.dataset import question_id
-from rlep.common.types import Trajectory, Verdict
 from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
+from tests.loop_util import arithmetic_parquet, seed_pool, train_config
 from tests.tracking_util import jsonl_scalars, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-DATA_SOURCE = "test-arith"
-
-
-def arithmetic_parquet(path: Path, count: int, seed: int = 0) -> list[dict]:
-    """A verl-schema file of `a+b` questions (what DAPO-17k looks like, in miniature)."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(count):
-        a, b = (int(x) for x in torch.randint(1, 50, (2,), generator=generator))
-        rows.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{a}+{b}=?"}],
-                "ability": "math",
-                "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-                "extra_info": {"index": i, "split": "train"},
-            }
-        )
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return rows
-
-
-def train_config(tmp_path: Path, data: Path, **algorithm):
-    from rlep.services.learner.config import TrainConfig
-
-    return TrainConfig.model_validate(
-        {
-            "run_id": "loop-test",
-            "model": "tiny",
-            "seed": 3,
-            "steps": 3,
-            "replay_pool": f"loop-{tmp_path.name}",
-            "algorithm": {
-                "questions_per_step": 4,
-                "fresh_per_question": 4,
-                "replayed_per_question": 2,
-                "max_response_tokens": 16,
-                "overlong_buffer_tokens": 4,
-                "mini_batch_questions": 2,
-                **algorithm,
-            },
-            "optim": {"lr": 1e-3, "warmup_steps": 1, "micro_batch_size": 8},
-            "deepspeed": {"zero_stage": 2},
-            "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2},
-            "data": {"train_files": [str(data)]},
-            "local": {
-                "rollout_cpus": 0.5,
-                "learner_cpus": 0.5,
-                "rollout_engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256},
-            },
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -88,33 +34,6 @@ def loop_stack(ray_local, tmp_path_factory, redis_url):
     stack.start(need_replay=True)
     yield stack
     stack.close()
-
-
-def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None:
-    """Stores verified-correct answers for every question, as phase-1 collection would."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
-    trajectories = []
-    for row in rows:
-        prompt_text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        prompt_ids = tuple(tokenizer.encode(prompt_text, add_special_tokens=False))
-        qid = question_id(row["prompt"])
-        truth = row["reward_model"]["ground_truth"]
-        for k in range(per_question):
-            text = f"{' ' * k}\\boxed{{{truth}}}"
-            response_ids = (*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id)
-            trajectories.append(
-                Trajectory(
-                    qid,
-                    text,
-                    1.0,
-                    verdict=Verdict.CORRECT,
-                    prompt_token_ids=prompt_ids,
-                    response_token_ids=response_ids,
-                )
-            )
-    stack.services.replay.add(pool, trajectories)
 
 
 def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path, caplog):
@@ -499,3 +418,32 @@ def test_a_countdown_run_is_scored_by_the_countdown_scorer(loop_stack, tmp_path)
     [record] = run_training(config.model_copy(update={"steps": 1}), stack=loop_stack, show_progress=False)
     assert record.sequences == 16  # 4 questions x 4 fresh samples
     assert 0.0 <= record.reward_mean <= 1.0  # every reward on countdown's scale; math-verify would give -1 each
+
+
+def test_a_lora_run_pushes_merged_weights_the_replicas_sample_from(loop_stack, tmp_path):
+    """`rlep train` with LoRA through the whole stack: every step pushes the merged model, so the replicas sample
+    from the very policy the learner trains (the float32 mismatch stays the kernels' own); the exported checkpoint is
+    plain and differs from the start only in the adapted weights; the DeepSpeed state holds only the adapters."""
+    from safetensors.torch import load_file
+
+    from rlep.services.cli.run import run_training
+    from rlep.services.learner.config import LORA_TARGETS, LoraConfig
+
+    arithmetic_parquet(tmp_path / "train.parquet", 8, seed=5)
+    config = train_config(tmp_path, tmp_path / "train.parquet", replayed_per_question=0)
+    optim = config.optim.model_copy(update={"lr": 2e-2})  # adapters start at B = 0: move them visibly in two steps
+    config = config.model_copy(update={"steps": 2, "optim": optim, "lora": LoraConfig(rank=4, alpha=8.0)})
+    before = max(loop_stack.services.rollout.versions())
+
+    records = run_training(config, stack=loop_stack, show_progress=False)
+
+    assert loop_stack.services.rollout.versions() == [records[-1].policy_version] == [before + 1 + 2]
+    for record in records:  # a push of the base alone (or of stale weights) would show here from step 2 on
+        assert record.rollout_mismatch_kl < 1e-3 and record.rollout_mismatch_outside_cap == 0.0
+    start = load_file(str(loop_stack.model_dir / "model.safetensors"))
+    final = load_file(str(tmp_path / "ckpt" / "step_2" / "hf" / "model.safetensors"))
+    assert final.keys() == start.keys()
+    changed = {k for k in start if not torch.equal(start[k], final[k])}
+    assert changed and all(k.removesuffix(".weight").rsplit(".", 1)[-1] in LORA_TARGETS for k in changed)
+    states = torch.load(tmp_path / "ckpt" / "step_2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert states and all(".lora_A." in k or ".lora_B." in k for k in states)

@@ -137,3 +137,25 @@ def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model
             policy.load_checkpoint(tmp_path, "step_0")
     finally:
         policy.close()
+
+
+def test_lora_over_two_processes_makes_the_one_process_update(ray_local, model_dir, batch):
+    """ZeRO-2 over two learner processes (rows split, adapter gradients all-reduced over gloo) moves the merged
+    weights as one process does (what rank 0 pushes), and only the adapted ones."""
+    runs = {}
+    for processes in (1, 2):
+        policy = start_policy(model_dir, processes=processes)
+        try:
+            initial = policy.state_dict()
+            stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
+            runs[processes] = initial, stats, policy.state_dict()
+        finally:
+            policy.close()
+    (initial, one_stats, one), (_, two_stats, two) = runs[1], runs[2]
+    one_delta = {k: one[k] - initial[k] for k in one}
+    two_delta = {k: two[k] - initial[k] for k in two}
+    assert {k for k, d in two_delta.items() if d.abs().max() > 0} == {k for k in two if adapted(k)}
+    difference = sum(float((one_delta[k] - two_delta[k]).pow(2).sum()) for k in one) ** 0.5
+    assert difference < 1e-2 * sum(float(d.pow(2).sum()) for d in one_delta.values()) ** 0.5
+    assert two_stats["loss"] == pytest.approx(one_stats["loss"], rel=1e-4, abs=1e-6)
+    assert two_stats["optimizer_steps"] == one_stats["optimizer_steps"] == 2.0

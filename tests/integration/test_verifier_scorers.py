@@ -43,6 +43,7 @@ class ScoringServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.requests: dict[str, int] = {}
         self.release = threading.Event()  # /slow answers once set
+        self.bodies: list = []  # every request's parsed body
 
     @property
     def url(self) -> str:
@@ -63,6 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         item = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.bodies.append(item)
         count = self.server.requests[self.path] = self.server.requests.get(self.path, 0) + 1
         if self.headers.get("authorization") != f"Bearer {TOKEN}":
             return self._reply(401, b"{}")
@@ -78,6 +80,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, b'{"score": 1, "extracted_answer": "' + b"x" * 100_000 + b'"}')
         if self.path == "/slow":
             self.server.release.wait(60)
+        if isinstance(item, list):  # a batch: one answer per item, in order; /short drops the last, /one-bad breaks one
+            answers = [len(one["response"]) / 10 for one in item]
+            if self.path == "/short":
+                answers.pop()
+            body = json.dumps(answers).encode()
+            return self._reply(200, body.replace(b"0.2", b'"high"') if self.path == "/one-bad" else body)
         score = len(item["response"]) / 10 * item["extra"].get("weight", 1)
         self._reply(200, json.dumps({"score": score, "extracted_answer": item["data_source"]}).encode())
 
@@ -220,3 +228,27 @@ def test_http_scorer_refuses_nan_and_oversized_answers(scoring_server, token_fil
 def test_http_scorer_attempts_are_bounded_in_time(scoring_server, token_file):
     result = remote(scoring_server, "/slow", token_file, timeout_s=0.3, retries=1).score("a", "g", "")
     assert (result.verdict, scoring_server.requests["/slow"]) == (Verdict.TIMEOUT, 2)
+
+
+def test_http_scorer_sends_batches_of_batch_size_and_keeps_their_order(scoring_server, token_file):
+    spec = HttpScorer(url=scoring_server.url + "/batch", auth_token_file=token_file, batch_size=2)
+    config = VerifierConfig(server=ServerConfig(port=0), num_workers=1, scorers={"rm": spec})
+    running = start_verifier(config)
+    try:
+        with VerifierClient(f"127.0.0.1:{running.port}") as client:
+            outcomes = client.verify([ScoredItem("a" * n, "g", "rm") for n in range(1, 6)])
+    finally:
+        running.stop()
+    assert [o.score for o in outcomes] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert scoring_server.requests["/batch"] == 3
+    batches = [b for b in scoring_server.bodies if isinstance(b, list)]
+    assert sorted(len(b) for b in batches) == [1, 2, 2]
+    assert {one["data_source"] for b in batches for one in b} == {"rm"}
+
+
+def test_a_bad_entry_fails_its_item_and_a_short_answer_fails_the_batch(scoring_server, token_file):
+    one_bad = remote(scoring_server, "/one-bad", token_file, batch_size=3).score_many([("a", "g", ""), ("ab", "g", "")])
+    assert [(r.verdict, r.score) for r in one_bad] == [(Verdict.WRONG, 0.1), (Verdict.ERROR, None)]
+    short = remote(scoring_server, "/short", token_file, batch_size=3, retries=2).score_many([("a", "g", "")] * 3)
+    assert [r.verdict for r in short] == [Verdict.ERROR] * 3
+    assert scoring_server.requests["/short"] == 1  # a wrong answer is not retried
