@@ -377,16 +377,6 @@ class TrainConfig(StrictModel):
     """Certificate and key of /metrics: with both set it serves HTTPS only (as every service's port can)."""
 
     @model_validator(mode="after")
-    def _lora_supported(self) -> TrainConfig:
-        if self.lora.enabled and self.deepspeed.zero_stage == 3:
-            raise ValueError(
-                "lora.rank > 0 is not supported under deepspeed.zero_stage 3 (the merged-weight push and the adapter "
-                "checkpoint are built and tested for ZeRO-0/1/2): use zero_stage 2, whose frozen base weights are not "
-                "held by the optimizer anyway"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:
         if self.algorithm.mini_batch_questions > self.algorithm.questions_per_step:
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")

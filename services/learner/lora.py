@@ -10,13 +10,15 @@ is the plain model: `merged_weights` yields every tensor under the base model's 
 weight as W + (alpha / r) B A computed in float32 beside the training weights (never merged into them), cast to the
 caller's dtype. So rollout and `hf/` need no PEFT, and vLLM and transformers load the export as any checkpoint.
 
-Not covered: ZeRO-3 (refused by the config), adapters on embeddings or convolutions, several adapters, pushing
-the adapter alone to vLLM (measured slower per step than merged pushes: benchmarks/lora_push.py, docs/lora.md).
+Under ZeRO-3 `merged_weights` gathers one layer's W, A and B at a time (`gather`). Not covered: adapters on
+embeddings or convolutions, several adapters, pushing the adapter alone to vLLM (measured slower per step than
+merged pushes: benchmarks/lora_push.py, docs/lora.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -62,28 +64,49 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def merged_weights(
-    model: torch.nn.Module, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    skip: frozenset[str] = frozenset(),
+    gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor in `dtype`) of the plain model a PEFT-wrapped `model` stands for, in its state-dict order.
 
     Adapted linear weights come out as W + (alpha / r) B A, computed in float32 (W `[out, in]`, B `[out, r]`,
     A `[r, in]`); the training weights are not changed. Adapter tensors are left out, `.base_layer` dropped from
     names, and names in `skip` (a tied head) are not yielded.
+
+    Args:
+        gather: makes the listed parameters whole for the duration of a `with` (ZeRO-3's `GatheredParameters`):
+            each yielded tensor is then valid only until the next one is asked for, and the caller copies it.
     """
     from peft.tuners.lora import LoraLayer
 
+    gather = gather or (lambda params: nullcontext())
     inner = base_model(model)
     layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
-    for name, tensor in inner.state_dict().items():
+    params = dict(inner.named_parameters(remove_duplicate=False))  # a tied head under its own name too
+    buffers = dict(inner.named_buffers())
+    for name in inner.state_dict():  # names only: under ZeRO-3 the values are empty placeholders
         if any(marker in name for marker in ADAPTER_TENSORS):
             continue
         owner, through_base, leaf = name.partition(BASE_LAYER)
         plain = f"{owner}.{leaf}" if through_base else name
         if plain in skip:
             continue
-        if through_base and leaf == "weight":
-            tensor = tensor.float() + adapter_delta(layers[owner])
-        yield plain, tensor.to(dtype)
+        if name in buffers:
+            yield plain, buffers[name].to(dtype)
+        elif through_base and leaf == "weight":
+            layer = layers[owner]
+            with gather([params[name], *adapter_parameters(layer)]):
+                yield plain, (params[name].float() + adapter_delta(layer)).to(dtype)
+        else:
+            with gather([params[name]]):
+                yield plain, params[name].to(dtype)
+
+
+def adapter_parameters(layer: Any) -> list[torch.nn.Parameter]:
+    """The A and B weights of a PEFT LoRA linear layer's active adapters."""
+    return [m[a].weight for m in (layer.lora_A, layer.lora_B) for a in layer.active_adapters]
 
 
 def adapter_delta(layer: Any) -> torch.Tensor:

@@ -311,11 +311,17 @@ class DeepSpeedPolicy:
 
         dtype = dtype or self.checkpoint_dtype
         module = self.hf_model
-        if self.lora:  # merged, under the base model's names (ZeRO-3 is refused with LoRA: nothing to gather)
-            yield from merged_weights(module, dtype, skip=frozenset({"lm_head.weight"} if self.tied else ()))
+        gather = self.config.deepspeed.zero_stage == 3
+        if self.lora:  # merged, under the base model's names; under ZeRO-3 one layer's W, A and B gathered at a time
+            skip = frozenset({"lm_head.weight"} if self.tied else ())
+            yield from merged_weights(
+                module,
+                dtype,
+                skip,
+                lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=None, enabled=gather),
+            )
             return
         params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
-        gather = self.config.deepspeed.zero_stage == 3
         for name in module.state_dict():
             if self.tied and name == "lm_head.weight":
                 continue  # the embedding carries it

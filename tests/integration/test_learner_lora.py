@@ -85,8 +85,12 @@ def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(
     assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
-def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir, batch):
-    policy = start_policy(model_dir, kl_coef=0.1)
+ZERO = pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
+
+
+@ZERO
+def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir, batch, stage, processes):
+    policy = start_policy(model_dir, kl_coef=0.1, stage=stage, processes=processes)
     try:
         before = policy.reference_logprobs(batch)
         old = policy.logprobs(batch)
@@ -101,8 +105,9 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir,
     assert (now - old).abs().max() > 1e-3 and stats["kl_ref"] > 0
 
 
-def test_an_adapter_checkpoint_resumes_exactly(ray_local, model_dir, batch, tmp_path):
-    policy = start_policy(model_dir)
+@ZERO
+def test_an_adapter_checkpoint_resumes_exactly(ray_local, model_dir, batch, tmp_path, stage, processes):
+    policy = start_policy(model_dir, stage=stage, processes=processes)
     try:
         with_old = batch.with_old_logprobs(policy.logprobs(batch))
         for _ in range(2):
@@ -111,10 +116,13 @@ def test_an_adapter_checkpoint_resumes_exactly(ray_local, model_dir, batch, tmp_
         uninterrupted = policy.update(with_old, rows_per_mini_batch=batch.size // 2), policy.state_dict()
     finally:
         policy.close()
-    saved = torch.load(tmp_path / "step_2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the frozen base is not saved
+    for states in (tmp_path / "step_2").glob("*mp_rank_00_model_states.pt"):  # one per process under ZeRO-3
+        saved = torch.load(states, weights_only=False)["module"]
+        assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the frozen base is not saved
+    saved_bytes = sum(f.stat().st_size for f in (tmp_path / "step_2").iterdir())
+    assert saved_bytes < 0.5 * sum(t.numel() * t.element_size() for t in uninterrupted[1].values())
 
-    resumed = start_policy(model_dir)
+    resumed = start_policy(model_dir, stage=stage, processes=processes)
     try:
         resumed.load_checkpoint(tmp_path, "step_2")
         after = resumed.update(with_old, rows_per_mini_batch=batch.size // 2), resumed.state_dict()
@@ -139,19 +147,30 @@ def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model
         policy.close()
 
 
-def test_lora_over_two_processes_makes_the_one_process_update(ray_local, model_dir, batch):
-    """ZeRO-2 over two learner processes (rows split, adapter gradients all-reduced over gloo) moves the merged
-    weights as one process does (what rank 0 pushes), and only the adapted ones."""
-    runs = {}
-    for processes in (1, 2):
-        policy = start_policy(model_dir, processes=processes)
-        try:
-            initial = policy.state_dict()
-            stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
-            runs[processes] = initial, stats, policy.state_dict()
-        finally:
-            policy.close()
-    (initial, one_stats, one), (_, two_stats, two) = runs[1], runs[2]
+@pytest.fixture(scope="module")
+def one_process_update(ray_local, model_dir, batch):
+    """ZeRO-2, one process: (initial merged weights, update stats, merged weights after the update)."""
+    return run_update(model_dir, batch, stage=2, processes=1)
+
+
+def run_update(model_dir, batch, stage: int, processes: int):
+    policy = start_policy(model_dir, stage=stage, processes=processes)
+    try:
+        initial = policy.state_dict()
+        stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
+        return initial, stats, policy.state_dict()
+    finally:
+        policy.close()
+
+
+@pytest.mark.parametrize(("stage", "processes"), [(2, 2), (3, 2)], ids=["zero2-x2", "zero3-x2"])
+def test_lora_over_two_processes_makes_the_one_process_update(one_process_update, model_dir, batch, stage, processes):
+    """Two learner processes (rows split, adapter gradients all-reduced over gloo; under ZeRO-3 the frozen base and
+    the adapters partitioned too, gathered a layer at a time for the merge) move the merged weights as one process
+    does (what rank 0 pushes), and only the adapted ones."""
+    initial, one_stats, one = one_process_update
+    start, two_stats, two = run_update(model_dir, batch, stage, processes)
+    assert start.keys() == initial.keys() and all(torch.equal(start[k], initial[k]) for k in initial)
     one_delta = {k: one[k] - initial[k] for k in one}
     two_delta = {k: two[k] - initial[k] for k in two}
     assert {k for k, d in two_delta.items() if d.abs().max() > 0} == {k for k in two if adapted(k)}
