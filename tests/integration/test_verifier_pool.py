@@ -57,9 +57,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _item_cpu_seconds(item: tuple[str, str]) -> float:
+    """The CPU time one worker spends on `item` (a fresh pool: nothing cached), under a generous limit."""
+    pool = VerifyPool(num_workers=1, item_timeout_s=60.0, options=CheckOptions(parse_timeout_s=30))
+    try:
+        pid = pool.worker_pids[0]
+        before = _cpu_seconds(pid)
+        [result] = pool.start([item]).wait(timeout_s=60)
+        assert result.verdict == Verdict.CORRECT
+        return _cpu_seconds(pid) - before
+    finally:
+        pool.close()
+
+
 def test_a_stalled_worker_keeps_its_verdict():
     """Load takes the CPU away from a worker mid-check: the limit counts CPU time, so the verdict stays."""
-    pool = VerifyPool(num_workers=1, item_timeout_s=30.0, options=CheckOptions(parse_timeout_s=2))
+    # The item's cost differs between CPUs (1.6-1.9 s on one 2-core box): the limit is set well above it here.
+    limit = max(2.0, 2.5 * _item_cpu_seconds(SLOW_ITEM))
+    pool = VerifyPool(num_workers=1, item_timeout_s=30.0 + limit, options=CheckOptions(parse_timeout_s=limit))
     try:
         pid = pool.worker_pids[0]
         idle_cpu_s = _cpu_seconds(pid)
@@ -72,11 +87,13 @@ def test_a_stalled_worker_keeps_its_verdict():
             time.sleep(0.005)
         os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(2.5)  # the stall itself (as a fully loaded machine would impose), not a wait for an event
+            time.sleep(
+                limit + 0.5
+            )  # the stall itself (as a fully loaded machine would impose), not a wait for an event
         finally:
             os.kill(pid, signal.SIGCONT)
-        [result] = batch.wait(timeout_s=30)
-        assert result.seconds > 2.5  # the stall fell inside the check, past the 2 s limit in wall time
+        [result] = batch.wait(timeout_s=30 + limit)
+        assert result.seconds > limit + 0.5  # the stall fell inside the check, past the limit in wall time
         assert result.verdict == Verdict.CORRECT
     finally:
         pool.close()

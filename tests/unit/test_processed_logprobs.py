@@ -59,7 +59,9 @@ def test_token_scores_give_the_processed_view_chunk_by_chunk():
         expected = processed_logprobs(logits, tokens[:, 1:].reshape(-1), 0.8, 0.9).view(3, 8)
     assert entropy is None
     assert torch.equal(raw, plain)  # the model's own logprobs, from the same head application
-    assert torch.equal(processed, expected)
+    # Chunked and whole head applications are matmuls of other shapes: equal up to float rounding on some CPUs.
+    assert torch.equal(processed.isinf(), expected.isinf())
+    torch.testing.assert_close(processed, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_greedy_has_no_sampling_distribution():
