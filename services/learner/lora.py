@@ -94,14 +94,14 @@ def merged_weights(
         if plain in skip:
             continue
         if name in buffers:
-            yield plain, buffers[name].to(dtype)
+            yield plain, buffers[name].detach().to(dtype)
         elif through_base and leaf == "weight":
             layer = layers[owner]
             with gather([params[name], *adapter_parameters(layer)]):
                 yield plain, (params[name].float() + adapter_delta(layer)).to(dtype)
         else:
             with gather([params[name]]):
-                yield plain, params[name].to(dtype)
+                yield plain, params[name].detach().to(dtype)  # never the Parameter itself
 
 
 def adapter_parameters(layer: Any) -> list[torch.nn.Parameter]:
