@@ -72,6 +72,10 @@ NOT_RUNNABLE = {
 }
 
 
+# Per-step figures of replay's signal each run keeps (StepRecord fields; services/learner/replay_signal.py).
+REPLAY_FIGURES = ("replay_advantage_share", "replay_signal_groups", "replay_logprob_mean", "replay_sequence_prob_mean")
+
+
 class ProtocolConfig(StrictModel):
     """Sizes and rules of the protocol; `--set key=value` overrides one (e.g. `--set seeds=[0,1]`)."""
 
@@ -238,6 +242,9 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         "sequences": [r.sequences for r in steps],
         "response_tokens": [r.response_length_mean * r.sequences for r in steps],
         "replayed_fraction": [r.replayed_fraction for r in steps],
+        "fresh_accuracy": [r.fresh_accuracy for r in steps],
+        # Why replay helps or not (replay_signal.py); None on steps without replayed rows.
+        **{name: [getattr(r, name) for r in steps] for name in REPLAY_FIGURES},
         "optimizer_steps": steps[-1].optimizer_steps if steps else None,
         "wall_seconds": time.perf_counter() - started,
     }

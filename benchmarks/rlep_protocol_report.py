@@ -149,6 +149,12 @@ def report(cfg, raw: dict) -> dict:
         "wall_seconds": raw["wall_seconds"],
         "arms": arms,
         "runs": {arm: raw[arm] for arm in ("baseline", *arms)},
+        "replay_signal": {
+            f"{arm}-s{s}": signal
+            for arm in arms
+            for s in seeds
+            if (signal := replay_signal_over_training(raw[arm][s])) is not None
+        },
     }
     if "ablations" in raw:
         summary["ablations"] = ablation_cells(raw, seeds[: cfg.ablation_seeds])
@@ -173,6 +179,27 @@ def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
         figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
         cells[name] = {"seeds": len(figures), **paired(figures)}
     return cells
+
+
+SIGNAL = ("replay_advantage_share", "replay_signal_groups", "replay_sequence_prob_mean", "fresh_accuracy")
+
+
+def replay_signal_over_training(run: dict, parts: int = 4) -> list[dict] | None:
+    """What replay could teach in each quarter of a run (services/learner/replay_signal.py): per quarter of its
+    steps, the mean advantage share of replayed rows, groups rescued per step, the chance the policy samples a
+    replayed answer itself, and the fresh rows' accuracy. None for runs recorded before these figures."""
+    if not run.get("replay_advantage_share") or run["replay_advantage_share"][0] is None:
+        return None
+    n = len(run["replay_advantage_share"])
+    out = []
+    for part in range(parts):
+        lo, hi = n * part // parts, n * (part + 1) // parts
+        row = {"steps": [lo + 1, hi]}
+        for name in SIGNAL:
+            values = [v for v in run[name][lo:hi] if v is not None]
+            row[name] = statistics.mean(values) if values else None
+        out.append(row)
+    return out
 
 
 def mean_band(runs: list[dict]) -> tuple[list[int], list[float], list[float]]:
@@ -243,8 +270,28 @@ def print_tables(summary: dict, console: Console) -> None:
         f"{summary['eval_standard_error_at_baseline_peak']:.4f}. Wall time "
         + (f"{summary['wall_seconds'] / 60:.1f} min." if summary["wall_seconds"] else "not recorded.")
     )
+    if summary["replay_signal"]:
+        print_replay_signal(summary["replay_signal"], console)
     if "ablations" in summary:
         print_ablations(summary["ablations"], console)
+
+
+def print_replay_signal(runs: dict[str, list[dict]], console: Console) -> None:
+    table = Table(title="what replay could teach, by quarter of each run (services/learner/replay_signal.py)")
+    columns = ("run", "steps", "replayed share of |A|", "groups rescued / step", "P(policy samples it)", "fresh acc")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for run, quarters in runs.items():
+        for q in quarters:
+            table.add_row(
+                run,
+                f"{q['steps'][0]}-{q['steps'][1]}",
+                _fmt(q["replay_advantage_share"]),
+                _fmt(q["replay_signal_groups"], 2),
+                _fmt(q["replay_sequence_prob_mean"]),
+                _fmt(q["fresh_accuracy"]),
+            )
+    console.print(table)
 
 
 def print_arm(arm: dict, console: Console) -> None:

@@ -31,6 +31,18 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rlep_learner_replay_failed_verification",
         "Replayed answers of the last step that this run's verifier did not find correct",
     ),
+    "replay_advantage_share": (
+        "rlep_learner_replay_advantage_share",
+        "Replayed rows' share of the last step's advantage mass (|A| x response tokens)",
+    ),
+    "replay_signal_groups": (
+        "rlep_learner_replay_signal_groups",
+        "Groups of the last step with no gradient from their fresh rows that replay gave one",
+    ),
+    "replay_sequence_prob_mean": (
+        "rlep_learner_replay_sequence_prob_mean",
+        "Mean chance the policy samples a replayed answer of the last step itself",
+    ),
     "prompts_truncated": ("rlep_learner_prompts_truncated", "Prompts left-truncated to max_prompt_tokens last step"),
     "generation_rounds": ("rlep_learner_generation_rounds", "Generation rounds of the last step (dynamic sampling)"),
     "groups_filtered": (

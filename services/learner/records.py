@@ -87,6 +87,15 @@ class StepRecord:
     """Fraction of fresh tokens the correction left out (weight 0: masked_is, seq_masked_is)."""
     rollout_correction_unweighted_rows: int | None = None
     """Rows trained at weight 1 because no sampler drew them (replayed rows)."""
+    replay_advantage_share: float | None = None
+    """Replayed rows' share of the step's advantage mass, sum of |A| x response tokens (replay_signal.py); the
+    `replay_*` figures below are None on a step without replayed rows."""
+    replay_signal_groups: int | None = None
+    """Groups whose fresh rows all scored alike (no gradient without replay) that replay gave an advantage."""
+    replay_logprob_mean: float | None = None
+    """Mean per-token logprob of the replayed responses under the policy before the update."""
+    replay_sequence_prob_mean: float | None = None
+    """Mean chance the policy samples a replayed answer itself, exp(sum of its logprobs)."""
     kl_ref: float | None = None
     """With `algorithm.kl_coef` > 0: the mean per-token KL estimate to the reference policy (`kl_estimator`), under
     the policy being trained (`kl_in: loss`) or the old one (`kl_in: reward`); None without a KL term."""
@@ -110,6 +119,10 @@ ABSENT_WHEN_NONE = (
     "rollout_correction_weight_mean",
     "rollout_correction_masked",
     "rollout_correction_unweighted_rows",
+    "replay_advantage_share",
+    "replay_signal_groups",
+    "replay_logprob_mean",
+    "replay_sequence_prob_mean",
     "kl_ref",
     "eval_accuracy",
 )

@@ -59,6 +59,7 @@ from rlep.services.learner.mismatch import correction_figures, rollout_mismatch
 from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
+from rlep.services.learner.replay_signal import replay_signal
 from rlep.services.learner.scoring import ReplayReport
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink, run_dir
@@ -211,6 +212,10 @@ class Trainer:
             if algo.correction != "none":
                 corrected = correction_figures(algo.correction, *measured)
                 figures |= {f"rollout_correction_{k}": v for k, v in corrected.items()}
+            if signal := replay_signal(
+                batch.advantages, batch.rewards, batch.replayed, batch.group_index, batch.old_logprobs, batch.loss_mask
+            ):
+                figures |= {f"replay_{k}": v for k, v in signal.figures().items()}
             # By default mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
             stats = self.policy.update(batch, algo.mini_batch_size)
         with timer.phase("weight_push"):

@@ -213,6 +213,15 @@ def test_fresh_and_replayed_answers_form_one_shaped_mixed_group(tokenizer, verif
     assert (record.replay_requested, record.replay_used, record.replay_failed_verification) == (4, 4, 0)
     assert record.reward_mean == pytest.approx((1.0 + 0.5 - 1.0 - 2.0) / 4)
     assert record.fresh_accuracy == pytest.approx(0.5)
+    # What replay could teach: its rows' share of |A| x tokens, no group rescued (fresh rewards differ already),
+    # and the policy's own chance of each replayed answer, all from the batch the policy trained on.
+    tokens = batch.loss_mask.sum(dim=1)
+    mass = batch.advantages.abs() * tokens
+    assert record.replay_advantage_share == pytest.approx(float(mass[batch.replayed].sum() / mass.sum()), rel=1e-5)
+    assert 0 < record.replay_advantage_share < 1 and record.replay_signal_groups == 0
+    sums = (batch.old_logprobs * batch.loss_mask)[batch.replayed].sum(dim=1)
+    assert record.replay_sequence_prob_mean == pytest.approx(float(sums.exp().mean()), rel=1e-5)
+    assert record.replay_logprob_mean == pytest.approx(float(sums.sum() / tokens[batch.replayed].sum()), rel=1e-5)
     assert rollout.pushed == [1, 2]  # the start's push, then one per step
 
 
