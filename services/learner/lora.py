@@ -69,7 +69,8 @@ def merged_weights(
     skip: frozenset[str] = frozenset(),
     gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype`) of the plain model a PEFT-wrapped `model` stands for, in its state-dict order.
+    """(HF name, tensor in `dtype`) of the plain model `model` stands for, in its state-dict order: a model without
+    adapters as it is (the policy's one loop over weights, LoRA or not).
 
     Adapted linear weights come out as W + (alpha / r) B A, computed in float32 (W `[out, in]`, B `[out, r]`,
     A `[r, in]`); the training weights are not changed. Adapter tensors are left out, `.base_layer` dropped from
@@ -79,11 +80,13 @@ def merged_weights(
         gather: makes the listed parameters whole for the duration of a `with` (ZeRO-3's `GatheredParameters`):
             each yielded tensor is then valid only until the next one is asked for, and the caller copies it.
     """
-    from peft.tuners.lora import LoraLayer
-
     gather = gather or (lambda params: nullcontext())
     inner = base_model(model)
-    layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
+    layers = {}
+    if inner is not model:  # PEFT-wrapped (importing peft costs seconds: not for full fine-tuning)
+        from peft.tuners.lora import LoraLayer
+
+        layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
     params = dict(inner.named_parameters(remove_duplicate=False))  # a tied head under its own name too
     buffers = dict(inner.named_buffers())
     for name in inner.state_dict():  # names only: under ZeRO-3 the values are empty placeholders

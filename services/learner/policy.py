@@ -310,26 +310,13 @@ class DeepSpeedPolicy:
         import deepspeed
 
         dtype = dtype or self.checkpoint_dtype
-        module = self.hf_model
         gather = self.config.deepspeed.zero_stage == 3
-        if self.lora:  # merged, under the base model's names; under ZeRO-3 one layer's W, A and B gathered at a time
-            skip = frozenset({"lm_head.weight"} if self.tied else ())
-            yield from merged_weights(
-                module,
-                dtype,
-                skip,
-                lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=None, enabled=gather),
-            )
-            return
-        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
-        for name in module.state_dict():
-            if self.tied and name == "lm_head.weight":
-                continue  # the embedding carries it
-            if name in buffers:
-                yield name, buffers[name].detach().to(dtype)
-            elif name in params:
-                with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=None, enabled=gather):
-                    yield name, params[name].detach().to(dtype)
+        yield from merged_weights(  # with LoRA: merged, one layer's W, A and B gathered at a time under ZeRO-3
+            self.hf_model,
+            dtype,
+            frozenset({"lm_head.weight"} if self.tied else ()),  # the embedding carries a tied head
+            lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=gather),
+        )
 
     def _full_weights(self, copy: bool, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """`state_dict()` (in `dtype`, default the checkpoint's) on the host; without `copy` (CPU training outside

@@ -121,3 +121,13 @@ def test_the_adapter_state_dict_holds_what_trains_and_loads_only_that(model_dir,
         scorer.load_state_dict({k: v for k, v in list(adapters_only.items())[1:]})
     with pytest.raises(RuntimeError, match="not this run's LoRA adapter"):
         scorer.load_state_dict(load(model_dir).state_dict())  # a full fine-tuning checkpoint
+
+
+def test_a_model_without_adapters_comes_out_as_it_is_and_is_never_handed_out(model_dir):
+    model = load(model_dir)
+    plain = model.state_dict()
+    weights = list(merged_weights(model, torch.float32, skip=frozenset({"lm_head.weight"})))
+    assert [name for name, _ in weights] == [name for name in plain if name != "lm_head.weight"]
+    assert all(torch.equal(tensor, plain[name]) for name, tensor in weights)
+    parameters = {id(p) for p in model.parameters()}
+    assert not any(id(tensor) in parameters or tensor.requires_grad for _, tensor in weights)  # detached copies
