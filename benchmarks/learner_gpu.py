@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from synthetic_batch import synthetic_batch  # benchmarks/, the script's own directory
 
 from rlep.common.config import load_config
-from rlep.common.types import Group, Trajectory
 from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss
-from rlep.services.learner.batch import ExperienceBatch, build_batch, mini_batches, token_logprobs
+from rlep.services.learner.batch import ExperienceBatch, mini_batches, token_logprobs
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.micro_batch_plan import plan_micro_batches
 
@@ -156,19 +156,10 @@ def ensure_model(name: str) -> Path:
     return model_dir
 
 
-def synthetic_batch(args: argparse.Namespace, vocab: int, seed: int) -> ExperienceBatch:
-    """One group of `args.rows` rows of random tokens, rewards alternating 0 / 1 (advantages about +-1)."""
+def random_lengths(args: argparse.Namespace, seed: int) -> list[int]:
+    """`args.rows` response lengths in [1, `args.max_response_tokens`]."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, args.max_response_tokens + 1, (args.rows,), generator=generator).tolist()
-
-    def ids(count: int) -> tuple[int, ...]:
-        return tuple(torch.randint(0, vocab, (count,), generator=generator).tolist())
-
-    rows = [
-        Trajectory("q", f"r{i}", float(i % 2), prompt_token_ids=ids(args.prompt_tokens), response_token_ids=ids(n))
-        for i, n in enumerate(lengths)
-    ]
-    return build_batch([Group("q", "1", rows)], pad_id=0)
+    return torch.randint(1, args.max_response_tokens + 1, (args.rows,), generator=generator).tolist()
 
 
 class RawLoop:
@@ -287,7 +278,7 @@ def measure_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     trainer, model, masters, gather = build_side(side, config)
     load_s = time.perf_counter() - started
-    batch = synthetic_batch(args, model.config.vocab_size, config.seed)
+    batch = synthetic_batch(model.config.vocab_size, args.prompt_tokens, random_lengths(args, config.seed), config.seed)
     before = weight_sample(masters())
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -28,11 +28,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="config override, e.g. deepspeed.dtype=bf16")
     args = parser.parse_args()
 
-    import torch
+    from synthetic_batch import synthetic_batch
 
     from rlep.common.config import load_config
-    from rlep.common.types import Group, Trajectory
-    from rlep.services.learner.batch import build_batch
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
@@ -53,19 +51,8 @@ def main() -> None:
     load_s = time.perf_counter() - started
     module = policy.engine.module
     vocab = (module.config if hasattr(module, "config") else module.model.config).vocab_size  # older: the HF model
-    generator = torch.Generator().manual_seed(0)
     prompt = 120
-    rows = [
-        Trajectory(
-            "q",
-            f"r{i}",
-            float(i % 2),
-            prompt_token_ids=tuple(torch.randint(0, vocab, (prompt,), generator=generator).tolist()),
-            response_token_ids=tuple(torch.randint(0, vocab, (args.tokens - prompt,), generator=generator).tolist()),
-        )
-        for i in range(args.rows)
-    ]
-    batch = build_batch([Group("q", "1", rows)], pad_id=0)
+    batch = synthetic_batch(vocab, prompt, [args.tokens - prompt] * args.rows)
     started = time.perf_counter()
     batch = batch.with_old_logprobs(policy.logprobs(batch))
     logprob_s = time.perf_counter() - started

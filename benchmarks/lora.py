@@ -28,12 +28,11 @@ SIDES = {"full": [], "lora": ["lora.rank=8", "lora.alpha=16"]}
 
 def run_side(args: argparse.Namespace, sets: list[str]) -> dict:
     import torch
+    from synthetic_batch import synthetic_batch
 
     from rlep.common.config import load_config
     from rlep.common.ports import free_port
     from rlep.common.tiny_model import resolve_model
-    from rlep.common.types import Group, Trajectory
-    from rlep.services.learner.batch import build_batch
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.policy import DeepSpeedPolicy, init_distributed
 
@@ -53,19 +52,8 @@ def run_side(args: argparse.Namespace, sets: list[str]) -> dict:
     policy = DeepSpeedPolicy(model, config)
     params = list(policy.engine.module.parameters())
     vocab = policy.hf_model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
     prompt = args.tokens // 2
-    rows = [
-        Trajectory(
-            "q",
-            f"r{i}",
-            float(i % 2),
-            prompt_token_ids=tuple(torch.randint(2, vocab, (prompt,), generator=generator).tolist()),
-            response_token_ids=tuple(torch.randint(2, vocab, (args.tokens - prompt,), generator=generator).tolist()),
-        )
-        for i in range(args.rows)
-    ]
-    batch = build_batch([Group("q", "1", rows)], pad_id=0)
+    batch = synthetic_batch(vocab, prompt, [args.tokens - prompt] * args.rows)
     batch = batch.with_old_logprobs(policy.logprobs(batch))
     policy.update(batch, rows_per_mini_batch=args.rows)  # warm-up
     times = []
