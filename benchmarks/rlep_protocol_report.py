@@ -13,6 +13,22 @@ from rich.table import Table
 
 from rlep.services.eval.compare import curve_auc, paired_bootstrap, peak, steps_to_reach
 
+# Fractions of the baseline's gain (start -> peak) at which both arms' steps are compared as well as at the peak: where
+# along the climb replay saves steps, not only at its end.
+GAIN_FRACTIONS = (0.5, 0.75, 0.9)
+
+
+def gain_ratios(base: list, rlep: list) -> dict[str, float | None]:
+    """Per fraction f of the baseline's gain: RLEP's steps to start + f x (peak - start) / the baseline's (None
+    where RLEP never gets there)."""
+    start, (_, top) = base[0][1], peak(base)
+    out = {}
+    for f in GAIN_FRACTIONS:
+        level = start + f * (top - start)
+        b, r = steps_to_reach(base, level), steps_to_reach(rlep, level)
+        out[f"{f:.0%}"] = None if r is None or not b else r / b
+    return out
+
 
 def run_figures(base: dict, rlep: dict) -> dict[str, Any]:
     """One seed's figures: both arms over the same steps, RLEP measured against this seed's baseline peak."""
@@ -29,6 +45,7 @@ def run_figures(base: dict, rlep: dict) -> dict[str, Any]:
         "rlep_peak_step": rlep_peak_step,
         "rlep_steps_to_baseline_peak": reached,
         "steps_ratio": None if reached is None or base_peak_step == 0 else reached / base_peak_step,
+        "steps_ratio_to_gain": gain_ratios(base["curve"], rlep["curve"]),
         "baseline_final": base["curve"][-1][1],
         "rlep_final": rlep["curve"][-1][1],
         "baseline_auc": curve_auc(base["curve"], last),
@@ -61,6 +78,10 @@ def paired(per_seed: list[dict]) -> dict[str, dict]:
     )
     ratios = [s["steps_ratio"] for s in reached if s["steps_ratio"] is not None]
     out["RLEP steps / baseline steps to its peak"] = _interval([0.0] * len(ratios), ratios)
+    for fraction in GAIN_FRACTIONS:
+        key = f"{fraction:.0%}"
+        at = [s["steps_ratio_to_gain"][key] for s in per_seed if s["steps_ratio_to_gain"][key] is not None]
+        out[f"RLEP steps / baseline steps to {key} of its gain"] = _interval([0.0] * len(at), at)
     out["seeds where RLEP reached the baseline's peak"] = {"reached": len(reached), "seeds": len(per_seed)}
     return out
 
@@ -304,6 +325,7 @@ def print_arm(arm: dict, console: Console) -> None:
         "baseline peak (step)",
         "RLEP reaches it at",
         "ratio",
+        "ratio at 50 / 75 / 90% of its gain",
         "RLEP peak (step)",
         "final B / R",
         "mean acc B / R",
@@ -316,6 +338,7 @@ def print_arm(arm: dict, console: Console) -> None:
             f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
             "not reached" if f["rlep_steps_to_baseline_peak"] is None else str(f["rlep_steps_to_baseline_peak"]),
             _fmt(f["steps_ratio"], 2),
+            " / ".join(_fmt(r, 2) for r in f["steps_ratio_to_gain"].values()),
             f"{f['rlep_peak']:.3f} ({f['rlep_peak_step']})",
             f"{f['baseline_final']:.3f} / {f['rlep_final']:.3f}",
             f"{f['baseline_auc']:.3f} / {f['rlep_auc']:.3f}",

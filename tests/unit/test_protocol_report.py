@@ -91,3 +91,18 @@ def test_finished_runs_and_their_checkpoints_resume_on_another_machine_from_the_
     assert out["baseline"][0]["steps"] == out["rlep"][0]["steps"] == 80 and out["pool"] == {"questions": 7}
     config = run.run_config(moved, "rlep-s0", 0, 80, tmp_path, "p", {})
     assert run.train_run(config, stack=None, stop_at_plateau=None, archive=archive)["run_id"] == "rlep-s0"  # not rerun
+
+
+def test_steps_are_compared_along_the_baselines_climb_not_only_at_its_peak(protocol):
+    _, report = protocol
+    # Baseline 0.2 -> 0.6 (peak at 80): half its gain is 0.4 (step 40), 75% 0.5 (step 60), 90% 0.56 (step 80).
+    base = [(0, 0.2), (20, 0.3), (40, 0.41), (60, 0.52), (80, 0.6), (100, 0.55)]
+    rlep = [(0, 0.2), (20, 0.42), (40, 0.51), (60, 0.55), (80, 0.57), (100, 0.58)]
+    ratios = report.gain_ratios(base, rlep)
+    assert ratios == {"50%": 20 / 40, "75%": 40 / 60, "90%": 80 / 80}
+    figures = report.run_figures(
+        {"curve": base, "steps": 100, "plateau_step": None, "step_seconds": [1.0], "response_tokens": [1.0]},
+        {"curve": rlep, "step_seconds": [1.0], "response_tokens": [1.0], "replayed_fraction": [0.2]},
+    )
+    assert figures["steps_ratio"] is None  # never reaches the peak 0.6, though it climbs faster
+    assert figures["steps_ratio_to_gain"] == ratios
