@@ -18,6 +18,7 @@ Each RLEP step's record carries (`replay_*`; absent from a step without replayed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +33,8 @@ class ReplaySignal:
     sequence_prob_mean: float
 
     def figures(self) -> dict[str, float | int]:
-        """The step record's `replay_<name>` values, by name."""
-        return {
-            "advantage_share": self.advantage_share,
-            "signal_groups": self.signal_groups,
-            "logprob_mean": self.logprob_mean,
-            "sequence_prob_mean": self.sequence_prob_mean,
-        }
+        """The step record's `replay_<name>` values, by name (every field: a new one cannot be left out)."""
+        return dataclasses.asdict(self)
 
 
 def replay_signal(
