@@ -62,10 +62,19 @@ def cpu_time_limit(seconds: float) -> Iterator[None]:
     CPU time, not wall time, so a verdict does not depend on what else the machine runs. Main thread only
     (signal handlers run there). The exception may surface just after the block ends: callers catch it
     around the block, not inside.
+
+    The handler's exception can be lost inside the block: Python drops exceptions raised while it runs a
+    finaliser (`__del__`, a weakref callback) and some C paths swallow any exception of a `__hash__`/`__eq__`
+    they call. The parse then runs on and finishes past the limit, so the block raises at its end as well:
+    once the limit has fired, the block's result is never used.
     """
     from math_verify.errors import TimeoutException
 
+    fired = False
+
     def expire(signum: int, frame: object) -> None:
+        nonlocal fired
+        fired = True
         raise TimeoutException(f"over {seconds} s of CPU time")
 
     previous = signal.signal(signal.SIGPROF, expire)
@@ -75,6 +84,8 @@ def cpu_time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
         signal.signal(signal.SIGPROF, previous)
+    if fired:  # reached only when the block swallowed the handler's exception
+        raise TimeoutException(f"over {seconds} s of CPU time (the limit's exception was lost inside the block)")
 
 
 @dataclass(frozen=True)

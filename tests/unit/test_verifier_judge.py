@@ -70,6 +70,25 @@ def test_cpu_time_limit_counts_cpu_time_not_wall_time():
     assert spun_until is None  # the limit ended the loop, not its own 5 s bound
 
 
+class _SpinsWhenCollected:
+    """Burns CPU in `__del__`, where Python drops any exception raised (as the limit's own would be)."""
+
+    def __del__(self) -> None:
+        give_up = time.process_time() + 2.0
+        while time.process_time() < give_up:
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_limit_whose_exception_a_finaliser_dropped_still_ends_the_block_as_timeout():
+    """The limit's exception lost inside the block (in a `__del__` here) must not make a cut-off parse a result."""
+    finished = False
+    with pytest.raises(TimeoutException), cpu_time_limit(0.05):
+        _SpinsWhenCollected()  # collected at once; the limit fires inside its __del__ and is dropped there
+        finished = True
+    assert finished  # the block itself ran to its end: only the limit's own check can have raised
+
+
 def test_check_answer_refuses_to_run_off_the_main_thread():
     """Off the main thread no CPU-time limit can be set: a loud error, not every item UNPARSEABLE."""
     outcome: list = []
