@@ -77,11 +77,11 @@ def paired(per_seed: list[dict]) -> dict[str, dict]:
         [s["baseline_peak_step"] for s in reached], [s["rlep_steps_to_baseline_peak"] for s in reached]
     )
     ratios = [s["steps_ratio"] for s in reached if s["steps_ratio"] is not None]
-    out["RLEP steps / baseline steps to its peak"] = _interval([0.0] * len(ratios), ratios)
+    out["RLEP steps / baseline steps to its peak"] = _ratio(ratios)
     for fraction in GAIN_FRACTIONS:
         key = f"{fraction:.0%}"
         at = [s["steps_ratio_to_gain"][key] for s in per_seed if s["steps_ratio_to_gain"][key] is not None]
-        out[f"RLEP steps / baseline steps to {key} of its gain"] = _interval([0.0] * len(at), at)
+        out[f"RLEP steps / baseline steps to {key} of its gain"] = _ratio(at)
     out["seeds where RLEP reached the baseline's peak"] = {"reached": len(reached), "seeds": len(per_seed)}
     return out
 
@@ -98,6 +98,21 @@ def _interval(baseline: list[float], rlep: list[float]) -> dict:
         "high": ci.high,
         "n": ci.n,
         "excludes_zero": ci.excludes_zero(),
+    }
+
+
+def _ratio(ratios: list[float]) -> dict:
+    """Mean of per-seed step ratios with its bootstrap interval; a speed-up is shown when the interval lies below 1."""
+    if not ratios:
+        return {"n": 0}
+    ci = paired_bootstrap(ratios, [0.0] * len(ratios))
+    return {
+        "ratio": True,
+        "diff": ci.mean,
+        "low": ci.low,
+        "high": ci.high,
+        "n": ci.n,
+        "below_one": ci.n > 1 and ci.high < 1,
     }
 
 
@@ -275,6 +290,9 @@ def _ci(row: dict, digits: int = 3) -> str:
         return "n/a"
     if row["n"] == 1:  # one pair: a difference, no interval
         return f"{row['diff']:+.{digits}f} (1 seed)"
+    if row.get("ratio"):  # a ratio is judged against 1, not 0
+        star = " *" if row["below_one"] else ""
+        return f"{row['diff']:.{digits}f} [{row['low']:.{digits}f}, {row['high']:.{digits}f}]{star}"
     star = " *" if row["excludes_zero"] else ""
     return f"{row['diff']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]{star}"
 
@@ -344,12 +362,16 @@ def print_arm(arm: dict, console: Console) -> None:
             f"{f['baseline_auc']:.3f} / {f['rlep_auc']:.3f}",
         )
     console.print(seeds)
-    table = Table(title=f"paired over seeds: {label} - baseline, mean [bootstrap 95% CI] (* excludes 0)")
+    table = Table(
+        title=f"paired over seeds: {label} - baseline, mean [bootstrap 95% CI] (* excludes 0; a ratio: below 1)"
+    )
     for column in ("figure", "baseline", "RLEP", "difference", "n"):
         table.add_column(column, justify="right")
     for name, row in arm["paired"].items():
         if "reached" in row:
             table.add_row(name, "", "", f"{row['reached']}/{row['seeds']}", "")
+        elif row.get("ratio"):
+            table.add_row(name + " (seeds that reach it)", "1", "", _ci(row, 2), str(row["n"]))
         elif row.get("n"):
             table.add_row(name, _fmt(row["baseline_mean"]), _fmt(row["rlep_mean"]), _ci(row), str(row["n"]))
     console.print(table)

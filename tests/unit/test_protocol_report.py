@@ -106,3 +106,13 @@ def test_steps_are_compared_along_the_baselines_climb_not_only_at_its_peak(proto
     )
     assert figures["steps_ratio"] is None  # never reaches the peak 0.6, though it climbs faster
     assert figures["steps_ratio_to_gain"] == ratios
+
+
+def test_a_step_ratio_is_starred_only_when_its_interval_lies_below_one(protocol):
+    """The target is a ratio's upper end below 1; every ratio excludes 0, so "excludes 0" said nothing about it."""
+    _, report = protocol
+    faster = report._ratio([0.5, 0.6, 0.7])
+    mixed = report._ratio([0.5, 1.2, 0.9])
+    assert faster["below_one"] and faster["high"] < 1 and report._ci(faster, 2).endswith(" *")
+    assert not mixed["below_one"] and mixed["low"] < 1 <= mixed["high"] and not report._ci(mixed, 2).endswith("*")
+    assert not report._ratio([0.5])["below_one"]  # one seed: a ratio, no interval
