@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -204,6 +206,21 @@ def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float 
     return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
 
 
+def machine() -> str:
+    """Which CPU timed a run: step times from different machines are not comparable. The model name alone does not
+    tell machines apart (two "AMD EPYC" machines here ran 2x apart), so its family, model and clock come with it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    if "model name" not in fields:
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    mhz = float(fields.get("cpu MHz", 0))
+    detail = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {mhz:.0f} MHz"
+    return f"{fields['model name']} ({detail}), {os.cpu_count()} cores"
+
+
 def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None, archive: Path | None = None) -> dict:
     """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step. A run
     finished before (here, or in `archive`) is not run again.
@@ -247,6 +264,7 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         **{name: [getattr(r, name) for r in steps] for name in REPLAY_FIGURES},
         "optimizer_steps": steps[-1].optimizer_steps if steps else None,
         "wall_seconds": time.perf_counter() - started,
+        "machine": machine(),
     }
     done.write_text(json.dumps(result))
     if archive:

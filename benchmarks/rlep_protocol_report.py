@@ -183,6 +183,7 @@ def report(cfg, raw: dict) -> dict:
             cfg, statistics.mean(f["baseline_peak"] for f in per_seed.values())
         ),
         "wall_seconds": raw["wall_seconds"],
+        "machines": machines(raw),
         "arms": arms,
         "runs": {arm: raw[arm] for arm in ("baseline", *arms)},
         "replay_signal": {
@@ -201,6 +202,16 @@ def report(cfg, raw: dict) -> dict:
     plot(raw, seeds, cfg.results.with_suffix(".png"))
     print_tables(summary, Console(width=200))
     return summary
+
+
+def machines(raw: dict) -> dict[str, list[str]]:
+    """Run ids by the machine that timed them ("not recorded" for runs from before they kept it)."""
+    runs = [run for arm in ("baseline", *ARMS) if arm in raw for run in raw[arm].values()]
+    runs += [run for cell in raw.get("ablations", {}).values() for run in cell.get("runs", {}).values()]
+    out: dict[str, list[str]] = {}
+    for run in runs:
+        out.setdefault(run.get("machine", "not recorded"), []).append(run["run_id"])
+    return out
 
 
 def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
@@ -309,6 +320,11 @@ def print_tables(summary: dict, console: Console) -> None:
         f"{summary['eval_standard_error_at_baseline_peak']:.4f}. Wall time "
         + (f"{summary['wall_seconds'] / 60:.1f} min." if summary["wall_seconds"] else "not recorded.")
     )
+    if len(summary["machines"]) > 1:  # step times, their paired differences and the costs mix these machines
+        console.print(
+            f"step times come from {len(summary['machines'])} machines (times and costs mix them): "
+            + "; ".join(f"{name}: {len(runs)} runs" for name, runs in summary["machines"].items())
+        )
     if summary["replay_signal"]:
         print_replay_signal(summary["replay_signal"], console)
     if "ablations" in summary:

@@ -116,3 +116,19 @@ def test_a_step_ratio_is_starred_only_when_its_interval_lies_below_one(protocol)
     assert faster["below_one"] and faster["high"] < 1 and report._ci(faster, 2).endswith(" *")
     assert not mixed["below_one"] and mixed["low"] < 1 <= mixed["high"] and not report._ci(mixed, 2).endswith("*")
     assert not report._ratio([0.5])["below_one"]  # one seed: a ratio, no interval
+
+
+def test_the_report_says_which_machine_timed_each_run(protocol):
+    """Runs resumed on another machine time their steps there: the report must not pass mixed times off as one."""
+    run, report = protocol
+    here = run.machine()
+    assert here.endswith("cores") and here != "not recorded"
+    raw = {
+        "baseline": {0: {"run_id": "baseline-s0"}, 1: {"run_id": "baseline-s1", "machine": here}},
+        "rlep": {0: {"run_id": "rlep-s0"}, 1: {"run_id": "rlep-s1", "machine": here}},
+        "ablations": {"M=1": {"runs": {0: {"run_id": "abl-M-1-s0", "machine": here}}}, "x": {"not_run": "why"}},
+    }
+    assert report.machines(raw) == {
+        "not recorded": ["baseline-s0", "rlep-s0"],
+        here: ["baseline-s1", "rlep-s1", "abl-M-1-s0"],
+    }
