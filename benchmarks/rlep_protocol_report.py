@@ -379,7 +379,7 @@ def print_arm(arm: dict, console: Console) -> None:
         )
     console.print(seeds)
     table = Table(
-        title=f"paired over seeds: {label} - baseline, mean [bootstrap 95% CI] (* excludes 0; a ratio: below 1)"
+        title=f"paired over seeds: {label} - baseline, mean \\[bootstrap 95% CI] (* excludes 0; a ratio: below 1)"
     )
     for column in ("figure", "baseline", "RLEP", "difference", "n"):
         table.add_column(column, justify="right")
@@ -409,7 +409,7 @@ def print_arm(arm: dict, console: Console) -> None:
 
 
 def print_ablations(cells: dict, console: Console) -> None:
-    table = Table(title="ablations: variant - baseline (same seeds), mean [bootstrap 95% CI]")
+    table = Table(title="ablations: variant - baseline (same seeds), mean \\[bootstrap 95% CI]")
     for column in ("cell", "seeds", "peak", "final", "mean acc", "reached B peak", "steps ratio"):
         table.add_column(column, justify="right")
     for name, cell in cells.items():
