@@ -1,5 +1,5 @@
-"""Figures, tables, PNG and JSON of benchmarks/rlep_protocol.py from its runs' results (statistics:
-rlep.services.eval.compare)."""
+"""Report of benchmarks/rlep_protocol.py from its runs' results: costs, replay signal, tables, PNG and JSON (the
+per-seed and paired figures: rlep_protocol_figures.py; statistics: rlep.services.eval.compare)."""
 
 from __future__ import annotations
 
@@ -10,110 +10,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rlep_protocol_figures import MEDIAN_RATIO, paired, run_figures
 
-from rlep.services.eval.compare import curve_auc, paired_bootstrap, peak, steps_to_reach
-
-# Fractions of the baseline's gain (start -> peak) at which both arms' steps are compared as well as at the peak: where
-# along the climb replay saves steps, not only at its end.
-GAIN_FRACTIONS = (0.5, 0.75, 0.9)
-
-
-def gain_ratios(base: list, rlep: list) -> dict[str, float | None]:
-    """Per fraction f of the baseline's gain: RLEP's steps to start + f x (peak - start) / the baseline's (None
-    where RLEP never gets there)."""
-    start, (_, top) = base[0][1], peak(base)
-    out = {}
-    for f in GAIN_FRACTIONS:
-        level = start + f * (top - start)
-        b, r = steps_to_reach(base, level), steps_to_reach(rlep, level)
-        out[f"{f:.0%}"] = None if r is None or not b else r / b
-    return out
-
-
-def run_figures(base: dict, rlep: dict) -> dict[str, Any]:
-    """One seed's figures: both arms over the same steps, RLEP measured against this seed's baseline peak."""
-    base_peak_step, base_peak = peak(base["curve"])
-    rlep_peak_step, rlep_peak = peak(rlep["curve"])
-    reached = steps_to_reach(rlep["curve"], base_peak)
-    last = min(base["curve"][-1][0], rlep["curve"][-1][0])
-    return {
-        "baseline_steps": base["steps"],
-        "baseline_plateau_step": base["plateau_step"],
-        "baseline_peak": base_peak,
-        "baseline_peak_step": base_peak_step,
-        "rlep_peak": rlep_peak,
-        "rlep_peak_step": rlep_peak_step,
-        "rlep_steps_to_baseline_peak": reached,
-        "steps_ratio": None if reached is None or base_peak_step == 0 else reached / base_peak_step,
-        "steps_ratio_to_gain": gain_ratios(base["curve"], rlep["curve"]),
-        "baseline_final": base["curve"][-1][1],
-        "rlep_final": rlep["curve"][-1][1],
-        "baseline_auc": curve_auc(base["curve"], last),
-        "rlep_auc": curve_auc(rlep["curve"], last),
-        "baseline_step_seconds": statistics.mean(base["step_seconds"]),
-        "rlep_step_seconds": statistics.mean(rlep["step_seconds"]),
-        "baseline_tokens_per_step": statistics.mean(base["response_tokens"]),
-        "rlep_tokens_per_step": statistics.mean(rlep["response_tokens"]),
-        "rlep_replayed_fraction": statistics.mean(rlep["replayed_fraction"]),
-    }
-
-
-PAIRED = [  # (label, baseline key, RLEP key)
-    ("peak accuracy", "baseline_peak", "rlep_peak"),
-    ("final accuracy", "baseline_final", "rlep_final"),
-    ("mean accuracy (AUC / steps)", "baseline_auc", "rlep_auc"),
-    ("step time (s)", "baseline_step_seconds", "rlep_step_seconds"),
-    ("response tokens per step (est.)", "baseline_tokens_per_step", "rlep_tokens_per_step"),
-]
-
-
-def paired(per_seed: list[dict]) -> dict[str, dict]:
-    """Paired differences RLEP - baseline with bootstrap intervals; steps to the peak over the seeds that reached it."""
-    out = {}
-    for label, b, r in PAIRED:
-        out[label] = _interval([s[b] for s in per_seed], [s[r] for s in per_seed])
-    reached = [s for s in per_seed if s["rlep_steps_to_baseline_peak"] is not None]
-    out["steps to the baseline's peak"] = _interval(
-        [s["baseline_peak_step"] for s in reached], [s["rlep_steps_to_baseline_peak"] for s in reached]
-    )
-    ratios = [s["steps_ratio"] for s in reached if s["steps_ratio"] is not None]
-    out["RLEP steps / baseline steps to its peak"] = _ratio(ratios)
-    for fraction in GAIN_FRACTIONS:
-        key = f"{fraction:.0%}"
-        at = [s["steps_ratio_to_gain"][key] for s in per_seed if s["steps_ratio_to_gain"][key] is not None]
-        out[f"RLEP steps / baseline steps to {key} of its gain"] = _ratio(at)
-    out["seeds where RLEP reached the baseline's peak"] = {"reached": len(reached), "seeds": len(per_seed)}
-    return out
-
-
-def _interval(baseline: list[float], rlep: list[float]) -> dict:
-    if not baseline:
-        return {"n": 0}
-    ci = paired_bootstrap(rlep, baseline)
-    return {
-        "baseline_mean": statistics.mean(baseline),
-        "rlep_mean": statistics.mean(rlep),
-        "diff": ci.mean,
-        "low": ci.low,
-        "high": ci.high,
-        "n": ci.n,
-        "excludes_zero": ci.excludes_zero(),
-    }
-
-
-def _ratio(ratios: list[float]) -> dict:
-    """Mean of per-seed step ratios with its bootstrap interval; a speed-up is shown when the interval lies below 1."""
-    if not ratios:
-        return {"n": 0}
-    ci = paired_bootstrap(ratios, [0.0] * len(ratios))
-    return {
-        "ratio": True,
-        "diff": ci.mean,
-        "low": ci.low,
-        "high": ci.high,
-        "n": ci.n,
-        "below_one": ci.n > 1 and ci.high < 1,
-    }
+from rlep.services.eval.compare import peak
 
 
 def eval_standard_error(cfg, accuracy: float) -> float:
@@ -296,6 +195,13 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _median(row: dict) -> str:
+    never = f"{row['censored']}/{row['n']} seeds never got there"
+    if row["median"] is None:  # more than half the seeds never reached the peak: the median lies beyond the runs
+        return f"none ({never})"
+    return f"{row['median']:.2f} ({never})"
+
+
 def _ci(row: dict, digits: int = 3) -> str:
     if not row.get("n"):
         return "n/a"
@@ -386,6 +292,8 @@ def print_arm(arm: dict, console: Console) -> None:
     for name, row in arm["paired"].items():
         if "reached" in row:
             table.add_row(name, "", "", f"{row['reached']}/{row['seeds']}", "")
+        elif "median" in row:
+            table.add_row(name, "1", "", _median(row), str(row["n"]))
         elif row.get("ratio"):
             table.add_row(name + " (seeds that reach it)", "1", "", _ci(row, 2), str(row["n"]))
         elif row.get("n"):
@@ -410,11 +318,11 @@ def print_arm(arm: dict, console: Console) -> None:
 
 def print_ablations(cells: dict, console: Console) -> None:
     table = Table(title="ablations: variant - baseline (same seeds), mean \\[bootstrap 95% CI]")
-    for column in ("cell", "seeds", "peak", "final", "mean acc", "reached B peak", "steps ratio"):
+    for column in ("cell", "seeds", "peak", "final", "mean acc", "reached B peak", "ratio (reaching)", "median ratio"):
         table.add_column(column, justify="right")
     for name, cell in cells.items():
         if "not_run" in cell:
-            table.add_row(name, "0", "not run: " + cell["not_run"][:60] + "…", "", "", "", "")
+            table.add_row(name, "0", "not run: " + cell["not_run"][:60] + "…", "", "", "", "", "")
             continue
         reach = cell["seeds where RLEP reached the baseline's peak"]
         ratio = cell["RLEP steps / baseline steps to its peak"]
@@ -426,5 +334,6 @@ def print_ablations(cells: dict, console: Console) -> None:
             _ci(cell["mean accuracy (AUC / steps)"]),
             f"{reach['reached']}/{reach['seeds']}",
             _fmt(ratio.get("diff"), 2),
+            _median(cell[MEDIAN_RATIO]) if cell[MEDIAN_RATIO].get("n") else "n/a",
         )
     console.print(table)

@@ -9,6 +9,8 @@ learner's periodic evaluation logs it (step 0 = the starting weights).
 - `peak`, `steps_to_reach`, `curve_auc`: the figures of the RLEP paper's comparison (steps to the
   baseline's peak, peak accuracy) plus the mean accuracy over the run (area under the curve / span).
 - `paired_bootstrap`: mean of per-seed differences with a percentile bootstrap interval over seeds.
+- `censored_median`: the Kaplan-Meier median of a time-to-event figure (steps to the baseline's peak) where
+  some seeds never get there: a mean over the seeds that do would flatter the arm.
 - `clustered_standard_error`, `questions_for_standard_error`: the noise of one evaluation when several
   samples of one question are scored (they are correlated, so the question is the unit).
 - `pool_diversity`: coverage of a replay pool (share of training questions it can replay) and how many
@@ -108,6 +110,28 @@ def paired_bootstrap(
     low_index = int(math.floor((1 - level) / 2 * (resamples - 1)))
     high_index = int(math.ceil((1 + level) / 2 * (resamples - 1)))
     return Interval(mean, means[low_index], means[high_index], n)
+
+
+def censored_median(times: Sequence[float], reached: Sequence[bool]) -> float | None:
+    """Kaplan-Meier median of times to an event, where `reached[i]` False means seed i was watched until
+    `times[i]` without the event (right-censored: its time is at least that).
+
+    The survival estimate S(t) (share of seeds that have not yet reached it) steps down at each event by
+    the share of seeds still watched then; the median is the first event time where S <= 0.5. None when
+    S never falls to 0.5 (too many seeds never reached it: the median lies beyond the watched times).
+    At equal times events count before censorings, as is the convention.
+    """
+    if len(times) != len(reached) or not times:
+        raise ValueError("need the same, non-zero number of times and reached flags")
+    order = sorted(zip(times, reached, strict=True), key=lambda pair: (pair[0], not pair[1]))
+    survival, at_risk = 1.0, len(order)
+    for time, event in order:
+        if event:
+            survival *= 1 - 1 / at_risk
+            if survival <= 0.5 + 1e-12:
+                return time
+        at_risk -= 1
+    return None
 
 
 def clustered_standard_error(per_question: Sequence[Sequence[bool]]) -> float:

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from rlep.services.eval.compare import (
+    censored_median,
     clustered_standard_error,
     curve_auc,
     paired_bootstrap,
@@ -49,6 +50,30 @@ def test_peak_and_steps_to_reach_take_the_first_step():
     assert steps_to_reach(curve, 0.35) == 5
     assert steps_to_reach(curve, 0.41) is None
     assert steps_to_reach(curve, 0.0) == 0
+
+
+def test_censored_median_is_the_sample_median_without_censoring():
+    assert censored_median([5, 1, 4, 2, 3], [True] * 5) == 3
+    assert censored_median([1, 2, 3, 4], [True] * 4) == 2  # the lower of the two middle values
+
+
+def test_censored_median_counts_seeds_that_never_reach_it():
+    # The protocol's five seeds: three reach the baseline's peak, two never do within their runs.
+    ratios, reached = [0.83, 0.87, 1.0, 1.5, 1.6], [True, True, True, False, False]
+    assert censored_median(ratios, reached) == 1.0
+    # A mean over the seeds that got there says 1.0 here; most seeds never did, so there is no median.
+    assert censored_median([1.0, 5.0, 6.0, 7.0], [True, False, False, False]) is None
+    # A seed censored early leaves the risk set, so later events weigh more: 1 of 3, then 2 of 3 gone.
+    assert censored_median([0.5, 1.0, 2.0, 3.0], [False, True, True, True]) == 2.0
+    # At equal times the event counts first (the censored seed was still watched when it happened).
+    assert censored_median([2.0, 2.0, 3.0], [True, False, True]) == 3.0
+
+
+def test_censored_median_checks_its_input():
+    with pytest.raises(ValueError):
+        censored_median([], [])
+    with pytest.raises(ValueError):
+        censored_median([1.0], [True, False])
 
 
 def test_auc_is_the_trapezoid_mean_over_the_span():

@@ -1,5 +1,6 @@
-"""benchmarks/rlep_protocol.py and its report, pure parts: where the half-trained pool comes from, and what an RLEP
-arm costs once phase 1 is counted (issue 29: a user deciding whether to run it asks when it breaks even)."""
+"""benchmarks/rlep_protocol.py, its figures and its report, pure parts: where the half-trained pool comes from, what
+an RLEP arm costs once phase 1 is counted (issue 29: a user deciding whether to run it asks when it breaks even), and
+how its steps compare with the baseline's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def protocol():
     sys.path.insert(0, str(BENCHMARKS))  # the scripts import each other as top-level modules
     try:
         yield importlib.import_module("rlep_protocol"), importlib.import_module("rlep_protocol_report")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def figures():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("rlep_protocol_figures")
     finally:
         sys.path.remove(str(BENCHMARKS))
 
@@ -93,29 +103,28 @@ def test_finished_runs_and_their_checkpoints_resume_on_another_machine_from_the_
     assert run.train_run(config, stack=None, stop_at_plateau=None, archive=archive)["run_id"] == "rlep-s0"  # not rerun
 
 
-def test_steps_are_compared_along_the_baselines_climb_not_only_at_its_peak(protocol):
-    _, report = protocol
+def test_steps_are_compared_along_the_baselines_climb_not_only_at_its_peak(figures):
     # Baseline 0.2 -> 0.6 (peak at 80): half its gain is 0.4 (step 40), 75% 0.5 (step 60), 90% 0.56 (step 80).
     base = [(0, 0.2), (20, 0.3), (40, 0.41), (60, 0.52), (80, 0.6), (100, 0.55)]
     rlep = [(0, 0.2), (20, 0.42), (40, 0.51), (60, 0.55), (80, 0.57), (100, 0.58)]
-    ratios = report.gain_ratios(base, rlep)
+    ratios = figures.gain_ratios(base, rlep)
     assert ratios == {"50%": 20 / 40, "75%": 40 / 60, "90%": 80 / 80}
-    figures = report.run_figures(
+    seed = figures.run_figures(
         {"curve": base, "steps": 100, "plateau_step": None, "step_seconds": [1.0], "response_tokens": [1.0]},
         {"curve": rlep, "step_seconds": [1.0], "response_tokens": [1.0], "replayed_fraction": [0.2]},
     )
-    assert figures["steps_ratio"] is None  # never reaches the peak 0.6, though it climbs faster
-    assert figures["steps_ratio_to_gain"] == ratios
+    assert seed["steps_ratio"] is None  # never reaches the peak 0.6, though it climbs faster
+    assert seed["steps_ratio_to_gain"] == ratios
 
 
-def test_a_step_ratio_is_starred_only_when_its_interval_lies_below_one(protocol):
+def test_a_step_ratio_is_starred_only_when_its_interval_lies_below_one(protocol, figures):
     """The target is a ratio's upper end below 1; every ratio excludes 0, so "excludes 0" said nothing about it."""
     _, report = protocol
-    faster = report._ratio([0.5, 0.6, 0.7])
-    mixed = report._ratio([0.5, 1.2, 0.9])
+    faster = figures._ratio([0.5, 0.6, 0.7])
+    mixed = figures._ratio([0.5, 1.2, 0.9])
     assert faster["below_one"] and faster["high"] < 1 and report._ci(faster, 2).endswith(" *")
     assert not mixed["below_one"] and mixed["low"] < 1 <= mixed["high"] and not report._ci(mixed, 2).endswith("*")
-    assert not report._ratio([0.5])["below_one"]  # one seed: a ratio, no interval
+    assert not figures._ratio([0.5])["below_one"]  # one seed: a ratio, no interval
 
 
 def test_the_report_says_which_machine_timed_each_run(protocol):
@@ -132,3 +141,21 @@ def test_the_report_says_which_machine_timed_each_run(protocol):
         "not recorded": ["baseline-s0", "rlep-s0"],
         here: ["baseline-s1", "rlep-s1", "abl-M-1-s0"],
     }
+
+
+def test_seeds_that_never_reach_the_peak_count_in_the_median_step_ratio(protocol, figures):
+    """A mean over the seeds that reach the baseline's peak flatters an arm that often never gets there."""
+    _, report = protocol
+    base = {"curve": [(0, 0.2), (50, 0.5), (100, 0.4)], "steps": 100, "plateau_step": 100}
+    base |= {"step_seconds": [1.0], "response_tokens": [1.0]}
+    fast = {"curve": [(0, 0.2), (25, 0.5), (100, 0.5)], "step_seconds": [1.0], "response_tokens": [1.0]}
+    never = fast | {"curve": [(0, 0.2), (25, 0.45), (100, 0.45)], "replayed_fraction": [0.2]}
+    fast |= {"replayed_fraction": [0.2]}
+    seeds = [figures.run_figures(base, fast)] + [figures.run_figures(base, never) for _ in range(2)]
+    assert seeds[0]["steps_ratio"] == 0.5 and seeds[1]["steps_ratio_censored_at"] == 100 / 50
+    paired = figures.paired(seeds)
+    assert paired["RLEP steps / baseline steps to its peak"]["diff"] == 0.5  # the one seed that got there
+    median = paired[figures.MEDIAN_RATIO]
+    assert median == {"median": None, "n": 3, "censored": 2}
+    assert report._median(median) == "none (2/3 seeds never got there)"
+    assert figures.paired(seeds[:1] * 2 + seeds[1:2])[figures.MEDIAN_RATIO]["median"] == 0.5
