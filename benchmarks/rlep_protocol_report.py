@@ -51,6 +51,7 @@ def costs(cfg, raw: dict, arm: str, per_seed: dict) -> dict:
         "run_seconds": {name: statistics.mean(sum(raw[a][s]["step_seconds"]) for s in cfg.seeds) for name, a in runs},
         "seconds_saved_to_baseline_peak": mean_saved,
         "seeds_reaching_baseline_peak": len(saved),
+        "seeds": len(per_seed),
         # A single RLEP run never repays phase 1 (a whole baseline run); later runs on the same pool may.
         "runs_to_break_even": None if not mean_saved or mean_saved <= 0 else math.ceil(pool_s / mean_saved),
     }
@@ -307,7 +308,8 @@ def print_arm(arm: dict, console: Console) -> None:
         repaid = f"after {runs} runs that reuse it." if runs else "never (no time saved)."
         saving = (
             f"training time to the baseline's peak saved per run: {saved:.0f} s "
-            f"({c['seeds_reaching_baseline_peak']} seeds); the pool pays for itself {repaid}"
+            f"(mean over the {c['seeds_reaching_baseline_peak']} of {c['seeds']} seeds that reach it; the others save "
+            f"nothing, they never get there); the pool pays for itself, in those, {repaid}"
         )
     console.print(
         f"cost: the pool took {c['pool_seconds'] / 60:.1f} min = {c['pool_in_baseline_steps']:.0f} baseline steps "

@@ -68,6 +68,11 @@ def test_costs_count_phase_1_and_the_runs_it_takes_to_pay_for_the_pool(protocol,
     assert report.costs(cfg, raw, "rlep", slower)["runs_to_break_even"] is None
     never = {s: {"baseline_peak_step": 2, "rlep_steps_to_baseline_peak": None} for s in (0, 1)}
     assert report.costs(cfg, raw, "rlep", never)["seconds_saved_to_baseline_peak"] is None
+    half = {0: figures[0], 1: never[1]}  # the saving is a mean over the seeds that get there: say how many do
+    assert {k: report.costs(cfg, raw, "rlep", half)[k] for k in ("seeds_reaching_baseline_peak", "seeds")} == {
+        "seeds_reaching_baseline_peak": 1,
+        "seeds": 2,
+    }
 
 
 def test_finished_runs_and_their_checkpoints_resume_on_another_machine_from_the_archive(protocol, tmp_path):
