@@ -304,6 +304,7 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
         "questions_kept": stats.questions_kept,
         "successes_stored": stats.successes_stored,
         "seconds": time.perf_counter() - started,
+        "machine": machine(),  # a pool is collected again in each session that resumes: its seconds are that machine's
         **pool_figures(replay, pool, questions),
     }
     done.write_text(json.dumps(figures))

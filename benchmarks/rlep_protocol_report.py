@@ -105,9 +105,12 @@ def report(cfg, raw: dict) -> dict:
 
 
 def machines(raw: dict) -> dict[str, list[str]]:
-    """Run ids by the machine that timed them ("not recorded" for runs from before they kept it)."""
+    """Run ids (and the pool's collection, priced in the cost line) by the machine that timed them ("not recorded"
+    for those from before they kept it)."""
     runs = [run for arm in ("baseline", *ARMS) if arm in raw for run in raw[arm].values()]
     runs += [run for cell in raw.get("ablations", {}).values() for run in cell.get("runs", {}).values()]
+    if "pool" in raw:
+        runs.append(raw["pool"] | {"run_id": "pool collection"})
     out: dict[str, list[str]] = {}
     for run in runs:
         out.setdefault(run.get("machine", "not recorded"), []).append(run["run_id"])

@@ -141,10 +141,12 @@ def test_the_report_says_which_machine_timed_each_run(protocol):
         "baseline": {0: {"run_id": "baseline-s0"}, 1: {"run_id": "baseline-s1", "machine": here}},
         "rlep": {0: {"run_id": "rlep-s0"}, 1: {"run_id": "rlep-s1", "machine": here}},
         "ablations": {"M=1": {"runs": {0: {"run_id": "abl-M-1-s0", "machine": here}}}, "x": {"not_run": "why"}},
+        "pool": {"seconds": 48.0, "machine": "another"},  # collected again by the session that resumed
     }
     assert report.machines(raw) == {
         "not recorded": ["baseline-s0", "rlep-s0"],
         here: ["baseline-s1", "rlep-s1", "abl-M-1-s0"],
+        "another": ["pool collection"],
     }
 
 
