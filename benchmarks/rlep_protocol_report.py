@@ -127,8 +127,16 @@ def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
             cells[name] = cell
             continue
         figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
-        cells[name] = {"seeds": len(figures), **paired(figures)}
+        cells[name] = {"seeds": len(figures), "replayed_rows_per_step": replayed_rows(cell["runs"]), **paired(figures)}
     return cells
+
+
+def replayed_rows(runs: dict) -> float:
+    """Replayed rows a step actually trained on, mean over the cell's runs and steps: the pool serves at most its
+    distinct successes of a question, so M replayed rows asked for may be fewer given (M=4 on a pool of ~1.2 each)."""
+    return statistics.mean(
+        f * n for run in runs.values() for f, n in zip(run["replayed_fraction"], run["sequences"], strict=True)
+    )
 
 
 SIGNAL = ("replay_advantage_share", "replay_signal_groups", "replay_sequence_prob_mean", "fresh_accuracy")
@@ -323,17 +331,19 @@ def print_arm(arm: dict, console: Console) -> None:
 
 def print_ablations(cells: dict, console: Console) -> None:
     table = Table(title="ablations: variant - baseline (same seeds), mean \\[bootstrap 95% CI]")
-    for column in ("cell", "seeds", "peak", "final", "mean acc", "reached B peak", "ratio (reaching)", "median ratio"):
+    columns = ("cell", "seeds", "replayed rows / step", "peak", "final", "mean acc", "reached B peak")
+    for column in (*columns, "ratio (reaching)", "median ratio"):
         table.add_column(column, justify="right")
     for name, cell in cells.items():
         if "not_run" in cell:
-            table.add_row(name, "0", "not run: " + cell["not_run"][:60] + "…", "", "", "", "", "")
+            table.add_row(name, "0", "", "not run: " + cell["not_run"][:60] + "…", "", "", "", "", "")
             continue
         reach = cell["seeds where RLEP reached the baseline's peak"]
         ratio = cell["RLEP steps / baseline steps to its peak"]
         table.add_row(
             name,
             str(cell["seeds"]),
+            f"{cell['replayed_rows_per_step']:.1f}",
             _ci(cell["peak accuracy"]),
             _ci(cell["final accuracy"]),
             _ci(cell["mean accuracy (AUC / steps)"]),

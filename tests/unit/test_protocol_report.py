@@ -166,3 +166,13 @@ def test_seeds_that_never_reach_the_peak_count_in_the_median_step_ratio(protocol
     assert median == {"median": None, "n": 3, "censored": 2}
     assert report._median(median) == "none (2/3 seeds never got there)"
     assert figures.paired(seeds[:1] * 2 + seeds[1:2])[figures.MEDIAN_RATIO]["median"] == 0.5
+
+
+def test_an_ablation_cell_says_how_many_replayed_rows_its_steps_got(protocol):
+    """M=4 asks for 4 rows per question; a pool holding one distinct success of most questions gives fewer."""
+    _, report = protocol
+    runs = {
+        0: {"replayed_fraction": [0.1, 0.2], "sequences": [100, 150]},
+        1: {"replayed_fraction": [0.0], "sequences": [90]},
+    }
+    assert report.replayed_rows(runs) == (10 + 30 + 0) / 3
