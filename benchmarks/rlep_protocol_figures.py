@@ -93,7 +93,7 @@ def _median_ratio(per_seed: list[dict]) -> dict:
     """The step ratio's median over all seeds, those that never reach the peak counted as censored at their run's
     end: unlike the mean over the seeds that reach it, it does not flatter an arm that often never gets there."""
     times = [(s["steps_ratio"], True) for s in per_seed if s["steps_ratio"] is not None]
-    times += [(s["steps_ratio_censored_at"], False) for s in per_seed if s.get("steps_ratio_censored_at") is not None]
+    times += [(s["steps_ratio_censored_at"], False) for s in per_seed if s["steps_ratio_censored_at"] is not None]
     if not times:
         return {"n": 0}
     median = censored_median([t for t, _ in times], [r for _, r in times])

@@ -208,6 +208,8 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def _median(row: dict) -> str:
+    if not row.get("n"):
+        return "n/a"
     never = f"{row['censored']}/{row['n']} seeds never got there"
     if row["median"] is None:  # more than half the seeds never reached the peak: the median lies beyond the runs
         return f"none ({never})"
@@ -349,6 +351,6 @@ def print_ablations(cells: dict, console: Console) -> None:
             _ci(cell["mean accuracy (AUC / steps)"]),
             f"{reach['reached']}/{reach['seeds']}",
             _fmt(ratio.get("diff"), 2),
-            _median(cell[MEDIAN_RATIO]) if cell[MEDIAN_RATIO].get("n") else "n/a",
+            _median(cell[MEDIAN_RATIO]),
         )
     console.print(table)

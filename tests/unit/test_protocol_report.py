@@ -23,12 +23,8 @@ def protocol():
 
 
 @pytest.fixture(scope="module")
-def figures():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("rlep_protocol_figures")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def figures(protocol):
+    return importlib.import_module("rlep_protocol_figures")  # on the path `protocol` set up (the report imports it)
 
 
 def test_the_half_trained_pool_comes_from_the_evaluation_at_half_the_first_baseline(protocol, tmp_path):
