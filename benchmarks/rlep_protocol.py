@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from pydantic import Field, model_validator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import protocol_archive as archived  # noqa: E402
+from protocol_pool import collect_pool, copy_pool, machine  # noqa: E402
 
 from rlep.common.config import StrictModel, deep_merge, load_config  # noqa: E402
 from rlep.services.eval.compare import plateau_step  # noqa: E402
@@ -206,21 +205,6 @@ def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float 
     return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
 
 
-def machine() -> str:
-    """Which CPU timed a run: step times from different machines are not comparable. The model name alone does not
-    tell machines apart (two "AMD EPYC" machines here ran 2x apart), so its family, model and clock come with it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    fields: dict[str, str] = {}
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first processor's
-    if "model name" not in fields:
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    mhz = float(fields.get("cpu MHz", 0))
-    detail = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {mhz:.0f} MHz"
-    return f"{fields['model name']} ({detail}), {os.cpu_count()} cores"
-
-
 def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None, archive: Path | None = None) -> dict:
     """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step. A run
     finished before (here, or in `archive`) is not run again.
@@ -270,77 +254,6 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
     if archive:
         archived.save_file(archive, f"results/{config.run_id}.json", done)
     return result
-
-
-def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: str, base: TrainConfig) -> dict:
-    """Phase 1 into `pool` (dropped first) from `checkpoint`; returns the collection's and the pool's figures."""
-    step = checkpoint.parent.name.removeprefix("step_")
-    from rlep.services.cli.run import policy_tokenizer
-    from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
-    from rlep.services.learner.cursor import load_questions
-
-    done = cfg.work_dir / f"pool-{pool}.json"
-    replay = stack.services.replay
-    if done.exists() and pool in replay.list_pools():
-        return json.loads(done.read_text())
-    if pool in replay.list_pools():
-        replay.drop(pool, confirm=pool)
-    push_checkpoint(stack.services.rollout, checkpoint)
-    questions = load_questions(base.data.train_files)
-    config = CollectConfig(
-        samples_per_question=cfg.collect_samples,
-        max_response_tokens=cfg.max_response_tokens,
-        seed=cfg.seeds[0],
-        run_id=f"collect-{pool}",
-        keep_rule=rule,
-    )
-    started = time.perf_counter()
-    stats = collect(stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base))
-    figures = {
-        "checkpoint_step": int(step) if step.isdigit() else None,
-        "rule": rule,
-        "samples_per_question": cfg.collect_samples,
-        "success_rate": stats.success_rate,
-        "questions_kept": stats.questions_kept,
-        "successes_stored": stats.successes_stored,
-        "seconds": time.perf_counter() - started,
-        "machine": machine(),  # a pool is collected again in each session that resumes: its seconds are that machine's
-        **pool_figures(replay, pool, questions),
-    }
-    done.write_text(json.dumps(figures))
-    if cfg.archive:
-        archived.save_file(cfg.archive, f"pools/{done.name}", done)
-    return figures
-
-
-def pool_figures(replay, pool: str, questions) -> dict:
-    """Coverage and diversity of a pool, read back from the replay service (what RLEP can actually draw)."""
-    from dataclasses import asdict
-
-    from rlep.services.demo.task import make_problem, solution_paths
-    from rlep.services.eval.compare import pool_diversity
-
-    texts: dict[str, list[str]] = {}
-    chunks = replay.export(pool) if pool in replay.list_pools() else []  # a collection that kept nothing made none
-    for chunk in chunks:
-        for t in chunk.trajectories:
-            texts.setdefault(t.question_id, []).append(t.response_text)
-    numbers = {q.question_id: [int(n) for n in q.messages[-1][1].removesuffix("=?").split("+")] for q in questions}
-
-    def path_of(qid: str, text: str) -> str:
-        # A success is the worked solution it equals (EOS and spaces aside); anything else counts on its own.
-        paths = solution_paths(make_problem(numbers[qid]))
-        return next((p for p in paths if p.replace(" ", "") == text.replace(" ", "")), "other:" + text)
-
-    return asdict(pool_diversity(texts, list(numbers), path_of))
-
-
-def copy_pool(replay, source: str, target: str) -> None:
-    """Copies every question and success of `source` into `target` (online replay writes to its pool)."""
-    chunks = list(replay.export(source))
-    for chunk in chunks:
-        chunk.pool = target
-    replay.import_chunks(chunks)
 
 
 def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
