@@ -84,8 +84,9 @@ class ProtocolConfig(StrictModel):
     """RL seeds; both arms run each. The first one's baseline is collected from."""
     work_dir: Path = Path("runs/rlep-protocol")
     """Checkpoints, step logs and per-run results (reused on a rerun)."""
-    results: Path = Path("benchmarks/results/rlep_protocol")
-    """Prefix of the JSON and PNG written (`.json`, `.png`)."""
+    results: Path = Path("benchmarks/results/rlep_protocol_issue29")
+    """Prefix of the JSON and PNG written (`.json`, `.png`). The defaults are issue 29's protocol, so its report is
+    the default: `rlep_protocol.*` holds issue 15's figures, which a run of today's defaults must not overwrite."""
     archive: Path | None = Path("benchmarks/results/rlep_protocol_archive")
     """Finished runs and the checkpoints the rest starts from, kept in the repository (None: not kept)."""
     terms: int = Field(3, ge=2)
