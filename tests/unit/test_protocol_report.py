@@ -172,3 +172,21 @@ def test_an_ablation_cell_says_how_many_replayed_rows_its_steps_got(protocol):
         1: {"replayed_fraction": [0.0], "sequences": [90]},
     }
     assert report.replayed_rows(runs) == (10 + 30 + 0) / 3
+
+
+def test_an_ablation_cell_short_of_its_seeds_is_listed_not_reported(protocol, figures):
+    """A cell of one finished seed (the rest still to run) must not print figures that read as a finding."""
+    _, report = protocol
+    per_step = {"step_seconds": [1.0], "response_tokens": [100], "replayed_fraction": [0.1], "sequences": [10]}
+    curve = {"curve": [[0, 0.2], [20, 0.4], [40, 0.5]], "steps": 40, "plateau_step": 40, **per_step}
+    raw = {
+        "baseline": {s: {"run_id": f"baseline-s{s}", **curve} for s in (0, 1, 2)},
+        "rlep": {s: {"run_id": f"rlep-s{s}", **curve} for s in (0, 1, 2)},
+        "ablations": {
+            "partial": {"runs": {0: {"run_id": "abl-partial-s0", **curve}}},
+            "whole": {"runs": {s: {"run_id": f"abl-whole-s{s}", **curve} for s in (0, 1, 2)}},
+        },
+    }
+    cells = report.ablation_cells(raw, [0, 1, 2])
+    assert cells["partial"] == {"not_run": "1 of 3 seeds finished (abl-partial-s0): no finding yet"}
+    assert cells["whole"]["seeds"] == 3 and "peak accuracy" in cells["whole"]
