@@ -129,7 +129,8 @@ def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
             continue
         if len(cell["runs"]) < len(seeds):
             done = ", ".join(run["run_id"] for run in cell["runs"].values())
-            cells[name] = {"not_run": f"{len(cell['runs'])} of {len(seeds)} seeds finished ({done}): no finding yet"}
+            why = f"{len(cell['runs'])} of {len(seeds)} seeds finished ({done}): no finding yet"
+            cells[name] = {"not_run": why, "seeds_finished": len(cell["runs"])}
             continue
         figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
         cells[name] = {"seeds": len(figures), "replayed_rows_per_step": replayed_rows(cell["runs"]), **paired(figures)}
@@ -343,7 +344,8 @@ def print_ablations(cells: dict, console: Console) -> None:
         table.add_column(column, justify="right")
     for name, cell in cells.items():
         if "not_run" in cell:
-            table.add_row(name, "0", "", "not reported: " + cell["not_run"][:60] + "…", "", "", "", "", "")
+            why = "not reported: " + cell["not_run"][:60] + "…"
+            table.add_row(name, str(cell.get("seeds_finished", 0)), "", why, "", "", "", "", "")
             continue
         reach = cell["seeds where RLEP reached the baseline's peak"]
         ratio = cell["RLEP steps / baseline steps to its peak"]
