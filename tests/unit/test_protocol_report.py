@@ -174,7 +174,7 @@ def test_an_ablation_cell_says_how_many_replayed_rows_its_steps_got(protocol):
     assert report.replayed_rows(runs) == (10 + 30 + 0) / 3
 
 
-def test_an_ablation_cell_short_of_its_seeds_is_listed_not_reported(protocol, figures):
+def test_an_ablation_cell_short_of_its_seeds_is_listed_not_reported(protocol):
     """A cell of one finished seed (the rest still to run) must not print figures that read as a finding."""
     _, report = protocol
     per_step = {"step_seconds": [1.0], "response_tokens": [100], "replayed_fraction": [0.1], "sequences": [10]}
