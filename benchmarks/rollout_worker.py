@@ -19,5 +19,5 @@ def start_worker(args, model: str, port: int, eager: bool = False) -> subprocess
     cmd += ["--set", f"engine.model={model}", "--set", f"engine.enforce_eager={str(args.eager or eager).lower()}"]
     cmd += ["--set", "engine.max_num_seqs=256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_serving(f"127.0.0.1:{port}", START_TIMEOUT_S)
+    wait_serving(f"127.0.0.1:{port}", START_TIMEOUT_S, process=proc)
     return proc

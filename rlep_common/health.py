@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -25,8 +26,13 @@ def is_serving(address: str, timeout_s: float = 5.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_serving(address: str, timeout_s: float, tls_ca_file: Path | None = None) -> None:
-    """Returns once the server at `address` (host:port) answers SERVING; re-raises its last error after `timeout_s`."""
+def wait_serving(
+    address: str, timeout_s: float, tls_ca_file: Path | None = None, process: subprocess.Popen | None = None
+) -> None:
+    """Returns once the server at `address` (host:port) answers SERVING; re-raises its last error after `timeout_s`.
+
+    With `process` (the server's own), a process that ends first fails the wait at once (RuntimeError naming its
+    exit status), rather than after `timeout_s` of polling a port nobody will open."""
     channel = make_channel(address, tls_ca_file=tls_ca_file)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
@@ -41,6 +47,13 @@ def wait_serving(address: str, timeout_s: float, tls_ca_file: Path | None = None
                     raise
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s")
-            time.sleep(HEALTH_POLL_S)
+            if process is None:
+                time.sleep(HEALTH_POLL_S)
+                continue
+            try:
+                code = process.wait(timeout=HEALTH_POLL_S)  # returns the moment it ends
+            except subprocess.TimeoutExpired:
+                continue
+            raise RuntimeError(f"the server for {address} (pid {process.pid}) exited with status {code} before serving")
     finally:
         channel.close()

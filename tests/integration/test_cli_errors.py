@@ -12,7 +12,7 @@ import pytest
 
 from rlep.common.ports import free_port
 from rlep.common.redis_server import LOCK_FILE
-from tests.integration.test_serve_cli import rlep_command
+from tests.service_process import rlep_command
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_serve_cli import rlep_command
+from tests.service_process import rlep_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -5,8 +5,6 @@ UNAVAILABLE and the health check SERVING; eval had no Redis of its own (it wrote
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 
 import grpc
@@ -19,9 +17,8 @@ from rlep.common.grpc_utils import make_channel
 from rlep.services.eval.main import EMBEDDED_REDIS_LOST_EXIT_CODE as EVAL_LOST_EXIT_CODE
 from rlep.services.replay.client import ReplayClient
 from rlep.services.replay.main import EMBEDDED_REDIS_LOST_EXIT_CODE
-from tests.conftest import free_port
 from tests.health_util import statuses_until_not_serving
-from tests.integration.test_serve_cli import rlep_command, wait_http_ok, wait_serving
+from tests.service_process import ServiceProcess, start_service
 
 pytestmark = pytest.mark.integration
 RECOVERY_BOUND_S = 10.0
@@ -33,49 +30,27 @@ def successes(start: int, count: int) -> list:
     return [success("q", i) for i in range(start, start + count)]
 
 
-def serve(args: list[str], data_dir) -> subprocess.Popen:
-    """`rlep serve ...` with its output in a file beside `data_dir`, not a pipe: a pipe nobody reads until the end
-    fills up (64 KB) and blocks every thread that logs, which froze a service mid-test while its Redis was down."""
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    path = data_dir.parent / f"{data_dir.name}.out"
-    with path.open("w") as out:
-        proc = subprocess.Popen([*rlep_command(), "serve", *args], stdout=out, stderr=subprocess.STDOUT)
-    proc.output_path = path
-    return proc
+def start_replay(data_dir) -> ServiceProcess:
+    return start_service("replay", data_dir.parent / f"{data_dir.name}.out", sets=[f"local_redis_dir={data_dir}"])
 
 
-def output_of(proc: subprocess.Popen) -> str:
-    return proc.output_path.read_text()
-
-
-def start_replay(data_dir) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = serve(["replay", "--port", str(port), "--set", f"local_redis_dir={data_dir}"], data_dir)
-    wait_serving(port)
-    return proc, f"127.0.0.1:{port}"
-
-
-def start_eval(data_dir) -> tuple[subprocess.Popen, str]:
+def start_eval(data_dir) -> ServiceProcess:
     """`rlep serve eval` with no redis_url: its own redis-server under `data_dir`."""
-    port = free_port()
-    proc = serve(["eval", "--port", str(port), "--set", f"local_redis_dir={data_dir}"], data_dir)
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ok(f"{url}/healthz")
-    return proc, url
+    return start_service("eval", data_dir.parent / f"{data_dir.name}.out", sets=[f"local_redis_dir={data_dir}"])
 
 
-def kill_redis(proc: subprocess.Popen) -> int:
-    [server] = [p for p in psutil.Process(proc.pid).children() if "redis-server" in p.name()]
+def kill_redis(service: ServiceProcess) -> int:
+    [server] = [p for p in psutil.Process(service.pid).children() if "redis-server" in p.name()]
     server.kill()  # SIGKILL: gone at once (reaping it is its parent's business)
     return server.pid
 
 
 def test_a_killed_embedded_redis_is_restarted_and_loses_no_acknowledged_add(tmp_path):
-    proc, address = start_replay(tmp_path / "redis")
+    service = start_replay(tmp_path / "redis")
     try:
-        with ReplayClient(address, timeout_s=5) as client:
+        with ReplayClient(service.address, timeout_s=5) as client:
             assert client.add("p", successes(0, 5)).added == 5
-            old_pid = kill_redis(proc)
+            old_pid = kill_redis(service)
             killed = time.monotonic()
             while True:  # adds are refused (UNAVAILABLE) until the restart; then they land
                 try:
@@ -86,34 +61,34 @@ def test_a_killed_embedded_redis_is_restarted_and_loses_no_acknowledged_add(tmp_
                     assert time.monotonic() - killed < RECOVERY_BOUND_S, "the embedded Redis was not restarted"
             recovered_s = time.monotonic() - killed
             assert reply.added == 1 and client.stats("p").trajectories == 6  # the 5 acknowledged before survived
-        [server] = [p for p in psutil.Process(proc.pid).children() if "redis-server" in p.name()]
+        [server] = [p for p in psutil.Process(service.pid).children() if "redis-server" in p.name()]
         assert server.pid != old_pid
-        health = health_pb2_grpc.HealthStub(make_channel(address))
+        health = health_pb2_grpc.HealthStub(make_channel(service.address))
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        output = output_of(proc)
+        output = service.stop(timeout_s=30)
     print(f"embedded Redis killed: adds land again after {recovered_s:.2f} s")
-    assert proc.returncode == 0 and "embedded redis-server restarted on port" in output, output
+    assert service.returncode == 0 and "embedded redis-server restarted on port" in output, output
 
 
 def test_an_embedded_redis_that_cannot_restart_turns_replay_not_serving_and_ends_it(tmp_path):
     data_dir = tmp_path / "redis"
-    proc, address = start_replay(data_dir)
+    service = start_replay(data_dir)
     try:
-        watch = health_pb2_grpc.HealthStub(make_channel(address)).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+        watch = health_pb2_grpc.HealthStub(make_channel(service.address)).Watch(
+            health_pb2.HealthCheckRequest(), timeout=60
+        )
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         [manifest] = (data_dir / "appendonlydir").glob("*.manifest")
         manifest.write_text("not a manifest\n")  # what a damaged disk leaves: redis-server refuses to start on it
-        kill_redis(proc)
+        kill_redis(service)
         statuses = statuses_until_not_serving(watch)
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
-        proc.wait(timeout=60)
+        service.wait(timeout_s=60)
     finally:
-        proc.kill()
-        output = output_of(proc)
-    assert proc.returncode == EMBEDDED_REDIS_LOST_EXIT_CODE, output
+        service.kill()
+        output = service.output()
+    assert service.returncode == EMBEDDED_REDIS_LOST_EXIT_CODE, output
     assert "could not be restarted (3 tries)" in output, output
 
 
@@ -121,43 +96,43 @@ def test_eval_starts_its_own_password_protected_redis_and_keeps_jobs_across_its_
     import redis
 
     data_dir = tmp_path / "eval-redis"
-    proc, url = start_eval(data_dir)
+    service = start_eval(data_dir)
     try:
-        [server] = [p for p in psutil.Process(proc.pid).children() if "redis-server" in p.name()]
+        [server] = [p for p in psutil.Process(service.pid).children() if "redis-server" in p.name()]
         port = next(c.laddr.port for c in server.net_connections() if c.status == psutil.CONN_LISTEN)
         with pytest.raises(redis.AuthenticationError):  # never an open Redis another program could write into
             redis.Redis(port=port).set("k", "v")
         submitted = httpx.post(
-            f"{url}/v1/evaluations", json={"model": "current", "datasets": [{"name": "amc23", "limit": 1}]}, timeout=10
+            f"{service.url}/v1/evaluations",
+            json={"model": "current", "datasets": [{"name": "amc23", "limit": 1}]},
+            timeout=10,
         )
         assert submitted.status_code == 202, submitted.text
         job = submitted.json()["id"]
-        kill_redis(proc)
+        kill_redis(service)
         killed = time.monotonic()
-        while (reply := httpx.get(f"{url}/v1/evaluations/{job}", timeout=10)).status_code != 200:
+        while (reply := httpx.get(f"{service.url}/v1/evaluations/{job}", timeout=10)).status_code != 200:
             assert reply.status_code == 503, reply.text  # "job store unavailable" until the restart
             assert time.monotonic() - killed < RECOVERY_BOUND_S, "eval's embedded Redis was not restarted"
         assert reply.json()["id"] == job  # the job written before the kill survived it (AOF, fsync always)
-        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert httpx.get(f"{service.url}/healthz").status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        output = output_of(proc)
-    assert proc.returncode == 0 and "embedded redis-server restarted on port" in output, output
+        output = service.stop(timeout_s=30)
+    assert service.returncode == 0 and "embedded redis-server restarted on port" in output, output
 
 
 def test_an_embedded_redis_that_cannot_restart_fails_evals_health_and_ends_it(tmp_path):
     data_dir = tmp_path / "eval-redis"
-    proc, url = start_eval(data_dir)
+    service = start_eval(data_dir)
     try:
         [manifest] = (data_dir / "appendonlydir").glob("*.manifest")
         manifest.write_text("not a manifest\n")
-        kill_redis(proc)
-        proc.wait(timeout=60)
+        kill_redis(service)
+        service.wait(timeout_s=60)
     finally:
-        proc.kill()
-        output = output_of(proc)
-    assert proc.returncode == EVAL_LOST_EXIT_CODE, output
+        service.kill()
+        output = service.output()
+    assert service.returncode == EVAL_LOST_EXIT_CODE, output
     assert "could not be restarted (3 tries)" in output, output
 
 

@@ -254,7 +254,7 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.cursor import DataCursor, load_questions
     from rlep.services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
-    from tests.integration.test_serve_cli import rlep_command
+    from tests.service_process import rlep_command
 
     started = time.monotonic()
     rows = arithmetic_parquet(tmp_path / "train.parquet", 10, seed=1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import pyarrow as pa
@@ -13,8 +12,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from rlep.common.dataset import question_id
 from rlep.common.grpc_utils import make_channel
 from rlep.services.replay.client import ReplayClient
-from tests.conftest import TEST_DATA, free_port
-from tests.integration.test_serve_cli import rlep_command, wait_serving
+from tests.conftest import TEST_DATA
+from tests.service_process import rlep_command, start_service
 
 pytestmark = pytest.mark.integration
 
@@ -37,16 +36,9 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
     rows = make_pool_parquet(tmp_path / "pool.parquet")
-    port = free_port()
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={tmp_path / 'redis'}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    address = f"127.0.0.1:{port}"
+    replay = start_service("replay", tmp_path / "replay.out", sets=[f"local_redis_dir={tmp_path / 'redis'}"])
+    address = replay.address
     try:
-        wait_serving(port)
         candidates = sum(len(r["reward_model"]["candidates"]) for r in rows)
         imported = run("pool", "import", str(tmp_path / "pool.parquet"), "--pool", "rlep-ref", "-a", address)
         assert f"added {candidates}, duplicate 0, rejected 0" in imported.stdout
@@ -84,9 +76,8 @@ def test_embedded_replay_with_pool_cli_round_trip(tmp_path):
             == f"dropped rlep-copy: {candidates} trajectories\n"
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, output
+        output = replay.stop(timeout_s=30)
+    assert replay.returncode == 0, output
     assert (tmp_path / "redis" / "appendonlydir").exists() or list((tmp_path / "redis").glob("*.aof"))
     # The banner names the embedded Redis without its password (kept in a 0600 file beside its data).
     password = (tmp_path / "redis" / "redis.password").read_text().strip()
@@ -121,15 +112,9 @@ def test_a_wrong_pool_file_imports_nothing_and_creates_no_pool(tmp_path):
     """Before the check, a renamed prompt column merged 40 questions under one id and evicted real answers, and a
     training parquet left an empty pool behind, both with exit 0."""
     cases = _wrong_files(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "replay", "--port", str(port), "--set", f"local_redis_dir={tmp_path / 'redis'}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
+    replay = start_service("replay", tmp_path / "replay.out", sets=[f"local_redis_dir={tmp_path / 'redis'}"])
+    address = replay.address
     try:
-        wait_serving(port)
         for name, (named, why) in cases.items():
             result = run("pool", "import", str(tmp_path / name), "--pool", "target", "-a", address, check=False)
             assert result.returncode != 0, f"{why}: {result.stdout}"
@@ -147,5 +132,4 @@ def test_a_wrong_pool_file_imports_nothing_and_creates_no_pool(tmp_path):
         with ReplayClient(address) as client:
             assert client.stats("target").questions == len(mixed) - 2
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        replay.stop(timeout_s=30)

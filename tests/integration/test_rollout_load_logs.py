@@ -5,9 +5,6 @@ tensor (issue 32, item 7). Before: starting SmolLM2-135M (float32 checkpoint, bf
 
 from __future__ import annotations
 
-import signal
-import subprocess
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,24 +13,16 @@ from rlep.services.learner.collect import push_checkpoint
 from rlep.services.learner.weight_push import WeightPusher, push_dtype
 from rlep.services.rollout.client import RolloutClient
 from rlep.services.weights.config import AutoSyncConfig
-from tests.conftest import free_port
-from tests.integration.test_serve_cli import rlep_command, wait_serving
+from tests.service_process import ROLLOUT_STARTUP_TIMEOUT_S, start_service
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quietly(smollm2_dir):
-    port = free_port()
+def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quietly(smollm2_dir, tmp_path):
     sets = [f"engine.model={smollm2_dir}", "engine.enforce_eager=true", "engine.max_model_len=512"]
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = start_service("rollout", tmp_path / "rollout.out", sets=sets, timeout_s=ROLLOUT_STARTUP_TIMEOUT_S)
     try:
-        wait_serving(port, timeout_s=300)
-        client = RolloutClient([f"127.0.0.1:{port}"])
+        client = RolloutClient([worker.address])
         [status] = client.status()
         assert status.dtype == "bfloat16"  # vLLM's `auto` downcasts a float32 checkpoint
         assert push_checkpoint(client, smollm2_dir) == 1  # a push of the float32 file, cast again on load
@@ -48,9 +37,8 @@ def test_a_bfloat16_replica_of_a_float32_checkpoint_says_so_once_and_pushes_quie
         assert client.versions() == [2]
         client.close()
     finally:
-        proc.send_signal(signal.SIGTERM)  # SIGKILL would orphan its vLLM engine core
-        output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-3000:]
+        output = worker.stop(timeout_s=120)
+    assert worker.returncode == 0, output[-3000:]
     assert "Attempted to load weight" not in output
     assert "Failed to load weights" not in output
     [line] = [line for line in output.splitlines() if "rollout engine runs" in line]

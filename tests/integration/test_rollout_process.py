@@ -18,7 +18,7 @@ from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.main import ENGINE_FAILED_EXIT_CODE
 from tests.conftest import free_port
 from tests.health_util import statuses_until_not_serving
-from tests.integration.test_serve_cli import rlep_command, wait_serving
+from tests.service_process import ROLLOUT_STARTUP_TIMEOUT_S, ServiceProcess, start_service
 from tests.unit.test_weights_staging import MAKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,20 +29,11 @@ SETS = ["engine.enforce_eager=true", "engine.dtype=float32", "engine.max_model_l
 STOP_WITHIN_S = 15.0
 
 
-def start_worker(staging_dir) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    sets = [*SETS, f"staging_dir={staging_dir}"]
-    proc = subprocess.Popen(
-        [*rlep_command(), "serve", "rollout", "--port", str(port), *[a for s in sets for a in ("--set", s)]],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_serving(port, timeout_s=600)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, port
+def start_worker(tmp_path) -> ServiceProcess:
+    """A worker staging pushes in `tmp_path`/staging, its output in `tmp_path`/rollout-<n>.out."""
+    (staging := tmp_path / "staging").mkdir(exist_ok=True)
+    output = tmp_path / f"rollout-{len(list(tmp_path.glob('rollout-*.out')))}.out"
+    return start_service("rollout", output, sets=[*SETS, f"staging_dir={staging}"], timeout_s=ROLLOUT_STARTUP_TIMEOUT_S)
 
 
 def long_call(stub: rollout_pb2_grpc.RolloutStub, timeout_s: float) -> grpc.Future:
@@ -68,44 +59,44 @@ def dead_makers_payload(directory) -> str:
 
 
 def test_sigterm_stops_a_generating_worker_within_seconds_and_leftovers_go_at_start(tmp_path):
-    leftover = dead_makers_payload(tmp_path)
-    assert leftover and (tmp_path / leftover).exists()
-    proc, port = start_worker(tmp_path)
+    (staging := tmp_path / "staging").mkdir()
+    leftover = dead_makers_payload(staging)
+    assert leftover and (staging / leftover).exists()
+    worker = start_worker(tmp_path)
     try:
-        assert not (tmp_path / leftover).exists(), "a killed worker's payload outlived the next start"
-        stub = rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{port}"))
+        assert not (staging / leftover).exists(), "a killed worker's payload outlived the next start"
+        stub = rollout_pb2_grpc.RolloutStub(make_channel(worker.address))
         call = long_call(stub, timeout_s=300)
         started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        worker.stop(timeout_s=120)
         stopped_s = time.monotonic() - started
     finally:
-        proc.kill()
-    print(f"SIGTERM during generation: exited {proc.returncode} after {stopped_s:.1f} s")
-    assert proc.returncode == 0 and stopped_s < STOP_WITHIN_S
+        worker.kill()
+    print(f"SIGTERM during generation: exited {worker.returncode} after {stopped_s:.1f} s")
+    assert worker.returncode == 0 and stopped_s < STOP_WITHIN_S
     assert call.exception(timeout=10).code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def test_a_dead_engine_core_retires_the_worker(tmp_path):
-    proc, port = start_worker(tmp_path)
+    worker = start_worker(tmp_path)
     try:
-        channel = make_channel(f"127.0.0.1:{port}")
+        channel = make_channel(worker.address)
         stub = rollout_pb2_grpc.RolloutStub(channel)
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         call = long_call(stub, timeout_s=120)
-        [core] = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
+        [core] = [p for p in psutil.Process(worker.pid).children() if "EngineCore" in " ".join(p.cmdline())]
         core.kill()
         killed = time.monotonic()
         statuses = statuses_until_not_serving(watch)
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         # The in-flight call fails over (UNAVAILABLE), and the process ends for its supervisor to restart it.
         assert call.exception(timeout=60).code() == grpc.StatusCode.UNAVAILABLE
-        proc.wait(timeout=60)
+        worker.proc.wait(timeout=60)
     finally:
-        proc.kill()
-    print(f"engine core killed: exit {proc.returncode} after {time.monotonic() - killed:.1f} s")
-    assert proc.returncode == ENGINE_FAILED_EXIT_CODE
+        worker.kill()
+    print(f"engine core killed: exit {worker.returncode} after {time.monotonic() - killed:.1f} s")
+    assert worker.returncode == ENGINE_FAILED_EXIT_CODE, worker.output()[-3000:]
 
 
 def _greedy(stub: rollout_pb2_grpc.RolloutStub) -> tuple[int, list[int], list[float]]:
@@ -131,9 +122,9 @@ def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_
     from tests.integration.test_rollout import perturbed_state_dict
 
     timeout_s = 30.0
-    proc, port = start_worker(tmp_path)
+    worker = start_worker(tmp_path)
     try:
-        channel = make_channel(f"127.0.0.1:{port}")
+        channel = make_channel(worker.address)
         stub = rollout_pb2_grpc.RolloutStub(channel)
         model_path = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).model
         before = _greedy(stub)
@@ -156,18 +147,14 @@ def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         error = call.exception(timeout=timeout_s)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "part version 0, part version 1" in error.details()
-        proc.wait(timeout=60)
+        worker.proc.wait(timeout=60)
     finally:
-        proc.kill()
-    print(f"sender killed mid-push: NOT_SERVING after {retired_s:.1f} s, exit {proc.returncode}")
-    assert retired_s < timeout_s and proc.returncode == ENGINE_FAILED_EXIT_CODE
+        worker.kill()
+    print(f"sender killed mid-push: NOT_SERVING after {retired_s:.1f} s, exit {worker.returncode}")
+    assert retired_s < timeout_s and worker.returncode == ENGINE_FAILED_EXIT_CODE
 
-    proc, port = start_worker(tmp_path)  # what its supervisor does
+    worker = start_worker(tmp_path)  # what its supervisor does
     try:
-        assert _greedy(rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{port}"))) == before
+        assert _greedy(rollout_pb2_grpc.RolloutStub(make_channel(worker.address))) == before
     finally:
-        proc.send_signal(signal.SIGTERM)  # a clean stop takes its vLLM engine core along (SIGKILL would orphan it)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        worker.stop()

