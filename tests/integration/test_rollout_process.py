@@ -92,7 +92,7 @@ def test_a_dead_engine_core_retires_the_worker(tmp_path):
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         # The in-flight call fails over (UNAVAILABLE), and the process ends for its supervisor to restart it.
         assert call.exception(timeout=60).code() == grpc.StatusCode.UNAVAILABLE
-        worker.proc.wait(timeout=60)
+        worker.wait(timeout_s=60)
     finally:
         worker.kill()
     print(f"engine core killed: exit {worker.returncode} after {time.monotonic() - killed:.1f} s")
@@ -147,7 +147,7 @@ def test_a_sender_killed_after_loading_began_retires_the_worker_and_its_restart_
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         error = call.exception(timeout=timeout_s)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "part version 0, part version 1" in error.details()
-        worker.proc.wait(timeout=60)
+        worker.wait(timeout_s=60)
     finally:
         worker.kill()
     print(f"sender killed mid-push: NOT_SERVING after {retired_s:.1f} s, exit {worker.returncode}")
