@@ -7,6 +7,7 @@ worker pool, a store, an engine) and releases them in `close()`, after its serve
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import threading
 from dataclasses import dataclass
@@ -88,6 +89,16 @@ def start_service(
 
 class Stoppable(Protocol):
     def stop(self) -> None: ...
+
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal() -> None:
+    """`kill -USR1 <pid>` writes every thread's stack to stderr and the process goes on: how an operator (or a test
+    whose service did not start in time) sees where a stuck start or call waits, without py-spy. Child processes
+    forked after this (vLLM's engine core, where the platform forks) inherit it."""
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
 
 
 def stop_on_signal() -> threading.Event:

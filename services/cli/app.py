@@ -123,6 +123,9 @@ def _serve(service: str, config: Path | None, flags: dict[str, Any], sets: list[
         typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlep.common.lifecycle import dump_stacks_on_signal
+
+    dump_stacks_on_signal()
     listen = f"{resolved.server.host}:{resolved.server.port}"
     redis_url = getattr(resolved, "redis_url", None) or "the self-started redis-server"
     try:

@@ -127,3 +127,17 @@ def test_a_service_that_cannot_start_fails_its_wait_at_once_with_why(tmp_path):
     happens, with the process's own words, instead of after the timeout (far above pytest's 600 s here)."""
     with pytest.raises(AssertionError, match=r"exited with status 2 before it served[\s\S]*invalid `num_workers`"):
         start_service("verifier", tmp_path / "verifier.out", sets=["num_workers=0"], timeout_s=3600)
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_service_goes_on(tmp_path):
+    """How an operator sees where a stuck service waits (and what a test prints when a start times out)."""
+    verifier = start_service("verifier", tmp_path / "verifier.out", sets=["num_workers=1"])
+    try:
+        assert verifier.dump_stacks(), "SIGUSR1 wrote no stacks"
+        assert "in serve_forever" in verifier.output()  # the main thread, waiting for its stop signal
+        with VerifierClient(verifier.address) as client:
+            [outcome] = client.verify([("\\boxed{2}", "2")])
+        assert outcome.verdict == Verdict.CORRECT
+    finally:
+        output = verifier.stop(timeout_s=30)
+    assert verifier.returncode == 0, output
