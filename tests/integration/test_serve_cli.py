@@ -17,8 +17,12 @@ LEAK_CANARY = "t0ken-that-must-not-leak"  # the token services are started with;
 
 
 def test_serve_verifier_process(tmp_path):
+    """Serves on the port it picked; SIGUSR1 writes every thread's stack and it goes on serving (how an operator
+    sees where a stuck service waits, and what a test prints when a start times out); SIGTERM stops it cleanly."""
     verifier = start_service("verifier", tmp_path / "verifier.out", sets=["num_workers=1"])
     try:
+        assert verifier.dump_stacks(), "SIGUSR1 wrote no stacks"
+        assert "in serve_forever" in verifier.output()  # the main thread, waiting for its stop signal
         with VerifierClient(verifier.address) as client:
             [outcome] = client.verify([("\\boxed{\\frac{6}{8}}", "0.75")])
         assert outcome.verdict == Verdict.CORRECT
@@ -127,17 +131,3 @@ def test_a_service_that_cannot_start_fails_its_wait_at_once_with_why(tmp_path):
     happens, with the process's own words, instead of after the timeout (far above pytest's 600 s here)."""
     with pytest.raises(AssertionError, match=r"exited with status 2 before it served[\s\S]*invalid `num_workers`"):
         start_service("verifier", tmp_path / "verifier.out", sets=["num_workers=0"], timeout_s=3600)
-
-
-def test_sigusr1_writes_every_threads_stack_and_the_service_goes_on(tmp_path):
-    """How an operator sees where a stuck service waits (and what a test prints when a start times out)."""
-    verifier = start_service("verifier", tmp_path / "verifier.out", sets=["num_workers=1"])
-    try:
-        assert verifier.dump_stacks(), "SIGUSR1 wrote no stacks"
-        assert "in serve_forever" in verifier.output()  # the main thread, waiting for its stop signal
-        with VerifierClient(verifier.address) as client:
-            [outcome] = client.verify([("\\boxed{2}", "2")])
-        assert outcome.verdict == Verdict.CORRECT
-    finally:
-        output = verifier.stop(timeout_s=30)
-    assert verifier.returncode == 0, output
