@@ -97,8 +97,9 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 def dump_stacks_on_signal() -> None:
     """`kill -USR1 <pid>` writes every thread's stack to stderr and the process goes on: how an operator (or a test
     whose service did not start in time) sees where a stuck start or call waits, without py-spy. Child processes
-    forked after this (vLLM's engine core, where the platform forks) inherit it."""
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    forked after this (vLLM's engine core, where the platform forks) inherit it. File descriptor 2, not
+    `sys.stderr`: a command run in process (typer's CliRunner) replaces that with a stream that has no descriptor."""
+    faulthandler.register(STACK_DUMP_SIGNAL, file=2, all_threads=True, chain=False)
 
 
 def stop_on_signal() -> threading.Event:
