@@ -15,10 +15,10 @@ HEALTH_CALL_TIMEOUT_S = 2.0  # one Check; a server still loading answers UNAVAIL
 HEALTH_POLL_S = 0.2
 
 
-def is_serving(address: str, timeout_s: float = 5.0) -> bool:
+def is_serving(address: str, timeout_s: float = 5.0, tls_ca_file: Path | None = None) -> bool:
     """Whether the server at `address` answers its health check with SERVING now (health checks need no token;
-    TLS when RLEP_TLS_CA_FILE is set, like every client)."""
-    with make_channel(address) as channel:
+    TLS with `tls_ca_file`, or when RLEP_TLS_CA_FILE is set, like every client)."""
+    with make_channel(address, tls_ca_file=tls_ca_file) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

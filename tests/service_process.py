@@ -24,12 +24,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import httpx
 import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.health import HEALTH_CALL_TIMEOUT_S, is_serving
 from rlep.common.lifecycle import STACK_DUMP_SIGNAL
 
 STARTUP_TIMEOUT_S = 60.0  # a gRPC service without a model; a vLLM worker is given more (ROLLOUT_STARTUP_TIMEOUT_S)
@@ -88,8 +86,8 @@ class ServiceProcess:
         return f"rlep serve {self.service} {what}; its output ends:\n{self.output()[-TAIL_CHARS:]}"
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S, tls_ca_file: Path | None = None) -> None:
-        """Until it prints its port and its health check (gRPC) or /healthz (eval) answers; fails at once when the
-        process ends first, and after `timeout_s` (killing it)."""
+        """Until it prints its port and its health check (gRPC) or /healthz (eval, plain HTTP) answers; fails at once
+        when the process ends first, and after `timeout_s` (killing it)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -115,19 +113,12 @@ class ServiceProcess:
 
     def _ready(self, tls_ca_file: Path | None) -> bool:
         if self.service == "eval":  # HTTP
-            scheme = "https" if tls_ca_file else "http"
             try:
-                url = f"{scheme}://localhost:{self.port}/healthz"
-                return httpx.get(url, timeout=2, verify=str(tls_ca_file) if tls_ca_file else True).status_code == 200
+                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
             except httpx.TransportError:
                 return False
         host = "localhost" if tls_ca_file else "127.0.0.1"  # a certificate names localhost
-        with make_channel(f"{host}:{self.port}", tls_ca_file=tls_ca_file) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return is_serving(f"{host}:{self.port}", HEALTH_CALL_TIMEOUT_S, tls_ca_file)
 
     def dump_stacks(self, timeout_s: float = STACK_DUMP_TIMEOUT_S) -> bool:
         """Has the process write every thread's stack into its output (`rlep serve` registers SIGUSR1 for it);
@@ -179,7 +170,6 @@ def start_service(
     try:
         started.wait_ready(timeout_s, tls_ca_file)
     except BaseException:
-        if started.proc.poll() is None:
-            started.kill()
+        started.kill()  # a no-op when it already ended
         raise
     return started
