@@ -44,9 +44,11 @@ def test_a_replica_stuck_on_old_weights_is_never_trained_on(tokenizer, verifier_
     trainer, policy, rollout = make_trainer(
         tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=0, max_staleness=1
     )
+    # Stuck from the start, not from after step 1: step 2's samples are gathered on the background thread while
+    # step 1 trains, so whether they say version 1 or 2 would otherwise depend on which thread is first (CI saw 2).
+    rollout.frozen_version = 1  # every sample says version 1
     try:
-        trainer.train_step()  # trained version 1 -> pushes 2
-        rollout.frozen_version = 1  # from here on every sample says version 1
+        assert trainer.train_step().policy_staleness_max == 0  # trains version 1 -> pushes 2
         record = trainer.train_step()  # trains version 2: samples of version 1 are 1 stale, allowed
         assert record.policy_staleness_max == 1
         with pytest.raises(RuntimeError, match="staler than max_staleness=1.*not taking weight pushes"):

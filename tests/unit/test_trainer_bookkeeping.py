@@ -171,9 +171,9 @@ def test_staleness_messages_name_the_step_being_trained(tokenizer, tmp_path, cap
     overlap = {"max_staleness": 1, "replayed_per_question": 0}
     trainer = make_trainer(tokenizer, MemoryPolicy(), rollout, tmp_path, steps=4, algorithm=overlap, every_steps=10)
     trainer.start()
+    rollout.frozen = 1  # from the start: step 2 gathers while step 1 trains, so a later freeze would race it
     try:
         trainer.train_step()
-        rollout.frozen = 1
         assert trainer.train_step().step == 2  # samples of version 1 train version 2: one stale, allowed
         refused = pytest.raises(RuntimeError, match=r"^step 3: every fresh sample is staler than max_staleness=1")
         with caplog.at_level(logging.WARNING, logger="rlep.services.learner"), refused:
