@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -46,7 +47,11 @@ LOCK_FILE = "rlep-redis.lock"
 PID_FILE = "rlep-redis.pid"
 PASSWORD_FILE = "redis.password"
 CONFIG_FILE = "rlep-redis.conf"
+LOG_FILE = "redis.log"
+PORT_TRIES = 3  # a picked port another process binds first: pick again
 PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger(__name__)
 
 
 def redis_server_binary() -> str:
@@ -218,11 +223,10 @@ def start_local_redis(
     as they are (e.g. `--maxmemory 8mb`). `die_with_owner=False` skips PR_SET_PDEATHSIG, which is
     how the server behaves where the OS has none (a later start then stops the orphan); it is also
     skipped off the main thread, since the kernel signals when the starting thread exits.
+    Without `port` it picks a free one, and picks again when another process takes it first.
 
     Raises DataDirInUse (a RuntimeError) when another live process owns a server on `data_dir`.
     """
-    import redis
-
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     lock = _lock_data_dir(data_dir)
@@ -231,32 +235,79 @@ def start_local_redis(
         password = data_dir_password(data_dir)
         config = data_dir / CONFIG_FILE
         _write_private(config, f"requirepass {password}\n")
-        port = port or free_port()
-        args = [redis_server_binary(), str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
-        args += ["--appendonly", "yes", "--appendfsync", appendfsync, "--save", "", "--protected-mode", "yes"]
-        args += ["--logfile", str(data_dir / "redis.log"), *extra_args]
-        # The kernel signals when the creating *thread* exits: tie the server to the main thread only.
-        main_thread = threading.current_thread() is threading.main_thread()
-        tie_to_owner = sys.platform.startswith("linux") and die_with_owner and main_thread
-        process = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
-        )
+        attempt = 1
+        while True:
+            chosen = port or free_port()
+            try:
+                return _start_and_wait(data_dir, chosen, password, lock, appendfsync, extra_args, die_with_owner)
+            except _PortTaken as taken:
+                if port is not None or attempt == PORT_TRIES:
+                    raise RuntimeError(
+                        f"redis-server could not bind 127.0.0.1:{chosen}: {taken}; see {data_dir / LOG_FILE}"
+                    ) from None
+                log.warning("port %d was taken before redis-server bound it (%s); picking another", chosen, taken)
+                attempt += 1
     except BaseException:
-        lock.close()
+        lock.close()  # a failed start hands the lock to no server
         raise
+
+
+class _PortTaken(Exception):
+    """redis-server exited at start because its port was in use (the message is its log line)."""
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _start_and_wait(
+    data_dir: Path,
+    port: int,
+    password: str,
+    lock: IO[str],
+    appendfsync: str,
+    extra_args: Sequence[str],
+    die_with_owner: bool,
+) -> LocalRedis:
+    """One redis-server start on `port`; raises _PortTaken when it exits because the port is in use."""
+    import redis
+
+    log_file = data_dir / LOG_FILE
+    log_from = _size(log_file)
+    args = [redis_server_binary(), str(data_dir / CONFIG_FILE), "--port", str(port), "--bind", "127.0.0.1"]
+    args += ["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", appendfsync, "--save", ""]
+    args += ["--protected-mode", "yes", "--logfile", str(log_file), *extra_args]
+    # The kernel signals when the creating *thread* exits: tie the server to the main thread only.
+    main_thread = threading.current_thread() is threading.main_thread()
+    tie_to_owner = sys.platform.startswith("linux") and die_with_owner and main_thread
+    process = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
+    )
     (data_dir / PID_FILE).write_text(f"{process.pid}\n")
-    server = LocalRedis(process, port, data_dir, password, lock, appendfsync, tuple(extra_args))
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
+    client = redis.Redis(port=port, password=password, socket_connect_timeout=1, socket_timeout=1)
     while True:
         try:
             if client.ping():
-                return server
-        except (redis.ConnectionError, redis.BusyLoadingError):
-            if process.poll() is not None or time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"redis-server did not start; see {data_dir / 'redis.log'}") from None
+                return LocalRedis(process, port, data_dir, password, lock, appendfsync, tuple(extra_args))
+        except redis.RedisError:
+            # Not ours yet: refused, loading its AOF, or (port taken) another process answering in its place.
+            exited = process.poll() is not None
+            if exited or time.monotonic() > deadline:
+                if not exited:
+                    process.kill()
+                process.wait()
+                (data_dir / PID_FILE).unlink(missing_ok=True)
+                said = _read_from(log_file, log_from).splitlines()
+                in_use = [line for line in said if "Address already in use" in line]
+                if exited and in_use:
+                    raise _PortTaken(in_use[-1].strip()) from None
+                raise RuntimeError(f"redis-server did not start; see {log_file}") from None
             time.sleep(0.05)
+
+
+def _read_from(path: Path, offset: int) -> str:
+    return path.read_bytes()[offset:].decode(errors="replace") if path.exists() else ""

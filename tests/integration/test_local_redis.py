@@ -123,3 +123,27 @@ def test_the_embedded_redis_needs_its_password(tmp_path):
         assert redis.Redis.from_url(restarted.url).get("k") == b"v"
     finally:
         restarted.stop()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, monkeypatch, caplog):
+    """The race of every picked port: another process (here another embedded Redis) binds it between the pick and
+    redis-server's bind. The start picks another port and says so; a port the caller named is an error at once."""
+    import rlep.common.redis_server
+
+    other = start_local_redis(tmp_path / "other")
+    picks = iter([other.port])
+    real_free_port = rlep.common.redis_server.free_port
+    monkeypatch.setattr(rlep.common.redis_server, "free_port", lambda: next(picks, None) or real_free_port())
+    try:
+        with caplog.at_level("WARNING", logger="rlep.common.redis_server"):
+            server = start_local_redis(tmp_path / "redis")
+        try:
+            assert server.port != other.port and redis.Redis.from_url(server.url).ping()
+            assert f"port {other.port} was taken" in caplog.text and "Address already in use" in caplog.text
+        finally:
+            server.stop()
+        with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{other.port}.*Address already in use"):
+            start_local_redis(tmp_path / "named", port=other.port)
+        assert redis.Redis.from_url(other.url).ping()  # the other server is untouched
+    finally:
+        other.stop()
