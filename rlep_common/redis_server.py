@@ -241,7 +241,7 @@ def start_local_redis(
             try:
                 return _start_and_wait(data_dir, chosen, password, lock, appendfsync, extra_args, die_with_owner)
             except _PortTaken as taken:
-                if port is not None or attempt == PORT_TRIES:
+                if port or attempt == PORT_TRIES:
                     raise RuntimeError(
                         f"redis-server could not bind 127.0.0.1:{chosen}: {taken}; see {data_dir / LOG_FILE}"
                     ) from None
@@ -287,20 +287,19 @@ def _start_and_wait(
         preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
     )
     (data_dir / PID_FILE).write_text(f"{process.pid}\n")
+    server = LocalRedis(process, port, data_dir, password, None, appendfsync, tuple(extra_args))
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
     client = redis.Redis(port=port, password=password, socket_connect_timeout=1, socket_timeout=1)
     while True:
         try:
             if client.ping():
-                return LocalRedis(process, port, data_dir, password, lock, appendfsync, tuple(extra_args))
+                server.lock = lock  # the directory's lock is the server's once it answers (a retry still needs it)
+                return server
         except redis.RedisError:
             # Not ours yet: refused, loading its AOF, or (port taken) another process answering in its place.
             exited = process.poll() is not None
             if exited or time.monotonic() > deadline:
-                if not exited:
-                    process.kill()
-                process.wait()
-                (data_dir / PID_FILE).unlink(missing_ok=True)
+                server.stop()  # without the lock, which the caller keeps for a retry or closes
                 said = _read_from(log_file, log_from).splitlines()
                 in_use = [line for line in said if "Address already in use" in line]
                 if exited and in_use:
