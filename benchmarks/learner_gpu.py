@@ -223,8 +223,7 @@ class RawLoop:
         for rows in self._micro_batches(batch, mini):
             sub = batch.select(rows)
             loss, _ = policy_loss(self._logprobs(sub), sub.old_logprobs.to(device), sub.advantages.to(device),
-                                  sub.loss_mask.to(device), clip_low=algo.clip_low, clip_high=algo.clip_high,
-                                  clip_c=algo.clip_c, agg=algo.loss_agg, normalizer=normalizer)  # fmt: skip
+                                  sub.loss_mask.to(device), algo.loss_settings, normalizer=normalizer)  # fmt: skip
             loss.backward()
             total += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)

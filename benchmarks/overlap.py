@@ -58,8 +58,8 @@ def prepare(args):
 
 
 def run(demo, warm_dir, train_data, eval_data, stack, arm: dict, replayed: int) -> dict:
-    from rlep.services.cli.run import run_training
     from rlep.services.demo.runner import demo_train_config
+    from rlep.services.launch.training import run_training
     from rlep.services.learner.config import TrainConfig
 
     staleness, correction, seed = arm["max_staleness"], arm["behavior_correction"], arm["seed"]
@@ -204,8 +204,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlep.common.ray_local import init_ray
-    from rlep.services.cli.stack import ServiceStack
     from rlep.services.demo.runner import demo_train_config
+    from rlep.services.launch.stack import ServiceStack
 
     demo, warm_dir, train_data, eval_data = prepare(args)
     init_ray()

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 
 HEALTH_CALL_TIMEOUT_S = 2.0  # one Check; a server still loading answers UNAVAILABLE at once
 HEALTH_POLL_S = 0.2

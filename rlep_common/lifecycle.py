@@ -19,7 +19,8 @@ from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry, Counter
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import StatusCountInterceptor, add_validated_servicer, build_server
+from rlep.common.grpc_interceptors import StatusCountInterceptor
+from rlep.common.grpc_server import add_validated_servicer, build_server
 from rlep.common.metrics import MetricsServer
 from rlep.common.tls import server_ssl_context
 

@@ -3,7 +3,7 @@
 The learner writes one into every `<checkpoint.dir>/step_N/hf/` (services/learner/trainer.py): the run, the
 training step, and the policy version those weights were pushed to rollout as (the `policy_version` of step N's
 record). A rollout that `rlep train`, `rlep collect` or the demo starts from such a directory serves it as that
-version (services/cli/stack.py), so answers sampled from a trained checkpoint carry the version that produced
+version (services/launch/stack.py), so answers sampled from a trained checkpoint carry the version that produced
 them instead of 0, and a run started from it numbers its versions on from there. Directories without the file
 (a base model, `rlep model import`'s output) are version 0.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from rlep.common.grpc_utils import HANDLER_KINDS
+from rlep.common.grpc_interceptors import HANDLER_KINDS
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""The top of the stack: the `rlep` command line and the local/Ray stack it starts (may import any layer)."""
+"""The top of the stack: the `rlep` command line (may import any layer; runs jobs through `rlep.services.launch`)."""

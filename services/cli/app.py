@@ -14,7 +14,8 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
-from rlep.services.cli.errors import RlepGroup, UserError, config_error, reaching
+from rlep.common.errors import UserError
+from rlep.services.cli.errors import RlepGroup, config_error, reaching
 from rlep.services.cli.model_import import model_app
 from rlep.services.cli.pool import pool_app
 

@@ -1,11 +1,12 @@
 """Mistakes a user can act on, and the one place the `rlep` app reports them.
 
-A command raises `UserError("<what is wrong>; <the fix>")` where it finds the mistake. `RlepGroup.invoke`, the
-click group under every `rlep` command, prints `error: <message>` on stderr and exits 2 with no traceback
-(`rlep --verbose ...` prints the traceback as well). `reaching` turns the library errors that mean "that
-service is not there" (gRPC UNAVAILABLE, httpx connect errors, Redis connection errors) into a `UserError`
-at the call site that knows which service and address it tried; `config_error` does the same for pydantic's
-config errors, naming the nearest valid key. Anything else is a bug and keeps its traceback.
+Any layer raises `UserError("<what is wrong>; <the fix>")` (`rlep.common.errors`) where it finds the
+mistake. `RlepGroup.invoke`, the click group under every `rlep` command, prints `error: <message>` on stderr
+and exits 2 with no traceback (`rlep --verbose ...` prints the traceback as well). `reaching` turns the
+library errors that mean "that service is not there" (gRPC UNAVAILABLE, httpx connect errors, Redis
+connection errors) into a `UserError` at the call site that knows which service and address it tried;
+`config_error` does the same for pydantic's config errors, naming the nearest valid key. Anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from rlep.common.errors import UserError
+
 USER_ERROR_EXIT_CODE = 2
-
-
-class UserError(Exception):
-    """A mistake the user can fix; the message names the problem and the fix, in one or two lines."""
 
 
 class RlepGroup(TyperGroup):

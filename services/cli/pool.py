@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from rlep.services.cli.errors import UserError, reaching, read_token
+from rlep.common.errors import UserError
+from rlep.services.cli.errors import reaching, read_token
 
 pool_app = typer.Typer(
     help="Inspect, import, export and drop replay pools (talks to `rlep serve replay`).", no_args_is_help=True
@@ -35,7 +36,7 @@ def _rpc_errors_exit(address: str, hint: str = "") -> Iterator[None]:
 
     # A one-shot command reports the final error once; the retry warnings before it would only repeat it. The
     # level comes back afterwards: the command may run inside a longer-lived process (tests, a notebook).
-    retries = logging.getLogger("rlep.common.grpc_utils")
+    retries = logging.getLogger("rlep.common.grpc_retry")
     level = retries.level
     retries.setLevel(logging.ERROR)
     fix = "start it with `rlep serve replay`, or pass its host:port with --address"

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from rlep.services.cli.errors import UserError, config_error
+from rlep.common.errors import UserError
+from rlep.services.cli.errors import config_error
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="Training config YAML.", exists=True)]
 SetOpt = Annotated[
@@ -146,7 +147,7 @@ def train(
     check_paths(resolved)
     _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
 
     records = run_training(resolved, resume=resume, ray_address=ray_address)
     if records:
@@ -207,20 +208,10 @@ def collect(
     from rich.console import Console
     from rich.table import Table
 
-    from rlep.common.ray_local import init_ray
     from rlep.common.tiny_model import resolve_model
-    from rlep.services.cli.stack import ServiceStack
-    from rlep.services.learner.collect import (
-        StateMismatch,
-        default_state_file,
-        load_state,
-        push_checkpoint,
-        run_settings,
-    )
-    from rlep.services.learner.collect import collect as run_collect
+    from rlep.services.launch.collection import collect_pool
+    from rlep.services.learner.collect import StateMismatch, default_state_file, load_state, run_settings
     from rlep.services.learner.cursor import load_questions
-    from rlep.services.learner.tokens import PolicyTokenizer
-    from rlep.services.learner.tracking import setup_step_sinks
 
     flags = {"model": model, "replay_pool": pool, "data.train_files": [str(p) for p in data or []] or None}
     flags |= {"collect.samples_per_question": n, "collect.temperature": temperature, "collect.top_p": top_p}
@@ -238,31 +229,9 @@ def collect(
     except StateMismatch as err:
         raise typer.BadParameter(str(err), param_hint="--state-file") from err
     typer.echo(f"progress file {state_file}" + (f" ({done} chunks done: resuming)" if done else ""))
-    init_ray(ray_address)
-    stack = ServiceStack(train_config, model_dir)
-    services = stack.start(need_replay=True)
-    sinks = []
-    try:
-        sinks = setup_step_sinks(train_config, job="collect")
-        if train_config.endpoints.rollout or train_config.endpoints.rollout_service:
-            push_checkpoint(services.rollout, model_dir)
-        tokenizer = PolicyTokenizer.load(
-            model_dir, train_config.data.max_prompt_tokens, collect_config.max_response_tokens
-        )
-        stats = run_collect(
-            services,
-            questions,
-            pool_name,
-            collect_config,
-            state_file=state_file,
-            checkpoint=model_dir,
-            tokenizer=tokenizer,
-            sinks=sinks,
-        )
-    finally:
-        for sink in sinks:
-            sink.close()
-        stack.close()
+    stats = collect_pool(
+        train_config, model_dir, questions, pool_name, collect_config, ray_address=ray_address, state_file=state_file
+    )
     table = Table(title=f"collected into pool {pool_name!r}")
     for column in ("questions", "kept (>= k successes)", "samples", "success rate", "successes stored", "seconds"):
         table.add_column(column, justify="right")

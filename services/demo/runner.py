@@ -155,11 +155,12 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
 
     from rlep.common.ray_local import init_ray
     from rlep.common.tiny_model import cached_model
-    from rlep.services.cli.run import policy_tokenizer, run_training
-    from rlep.services.cli.stack import ServiceStack
     from rlep.services.demo.task import make_problems, write_parquet
     from rlep.services.demo.warmup import warmup
-    from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
+    from rlep.services.launch.collection import collect_pool
+    from rlep.services.launch.stack import ServiceStack
+    from rlep.services.launch.training import run_training
+    from rlep.services.learner.config import CollectConfig
     from rlep.services.learner.cursor import load_questions
     from rlep.services.learner.tracking import tensorboard_dir
 
@@ -190,19 +191,21 @@ def run_demo(demo: DemoConfig, show_progress: bool = True) -> dict:
         records["baseline"] = _run(run_training, baseline_config, stack, show_progress)
         console.rule("3. collect successes with the baseline's final policy")
         final = demo.out_dir / "baseline" / f"step_{demo.steps}" / "hf"
-        push_checkpoint(services.rollout, final)
-        stats = collect(
-            services,
-            load_questions([train_data]),
+        collect_config = CollectConfig(
+            samples_per_question=demo.collect_samples,
+            max_response_tokens=demo.max_response_tokens,
+            seed=demo.seed,
+            run_id="demo-collect",
+        )
+        questions = load_questions([train_data])
+        stats = collect_pool(
+            baseline_config,
+            final,
+            questions,
             baseline_config.replay_pool,
-            CollectConfig(
-                samples_per_question=demo.collect_samples,
-                max_response_tokens=demo.max_response_tokens,
-                seed=demo.seed,
-                run_id="demo-collect",
-            ),
+            collect_config,
+            stack,
             show_progress=show_progress,
-            tokenizer=policy_tokenizer(final, baseline_config),
         )
         console.print(
             f"collected: {stats.questions_kept}/{stats.questions} questions kept, "

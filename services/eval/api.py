@@ -7,7 +7,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlep.common.types import Verdict
-from rlep.services.eval.scoring import CURRENT_POLICY
+from rlep.services.eval.inputs import CURRENT_POLICY
 from rlep.services.rollout.types import MAX_TEMPERATURE, greedy_problem
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)

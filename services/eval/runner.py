@@ -25,17 +25,11 @@ from rlep.common.dataset import Question
 from rlep.common.files import load_safetensors
 from rlep.common.types import FinishReason
 from rlep.services.eval import tracking
+from rlep.services.eval.accuracy import DatasetTally, SampleScore, score_question
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.inputs import CURRENT_POLICY, checkpoint_files, load_dataset
 from rlep.services.eval.samples import sample_records
-from rlep.services.eval.scoring import (
-    CURRENT_POLICY,
-    DatasetTally,
-    SampleScore,
-    checkpoint_files,
-    load_dataset,
-    score_question,
-)
 from rlep.services.eval.store import JobStore, new_attempt
 from rlep.services.rollout.client import RolloutClient
 from rlep.services.rollout.types import Completion, Sampling

@@ -31,7 +31,7 @@ from rlep.services.eval.api import (
     SamplePage,
 )
 from rlep.services.eval.config import EvalConfig
-from rlep.services.eval.scoring import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
+from rlep.services.eval.inputs import CURRENT_POLICY, DatasetError, checkpoint_files, load_dataset
 from rlep.services.eval.store import JobStore
 
 

@@ -18,8 +18,8 @@ overlong reward) so that results can be compared with the reference recipe. Depa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -192,22 +192,44 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KlEstimator) 
     raise ValueError(f"estimator must be k1, k2 or k3, got {estimator!r}")
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """How `policy_loss` turns per-token ratios into one loss: the run's fixed choices, DAPO's by default.
+
+    `clip_low` / `clip_high`: the ratio is clipped to `[1 - clip_low, 1 + clip_high]` (DAPO's clip-higher).
+    `clip_c`: dual-clip bound; for negative advantages the loss is capped at `-A * clip_c` (> 1).
+    `agg`: how per-token losses are reduced (`aggregate_loss`).
+    `kl_coef` / `kl_estimator`: with `kl_coef` > 0 each token's loss gains `kl_coef * kl_estimate(...)`.
+    `entropy_coef`: with > 0 each token's loss loses `entropy_coef * entropy` (an entropy bonus).
+    With both coefficients 0 (the default) the loss is exactly DAPO's: nothing is added.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float = 10.0
+    agg: LossAgg = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: KlEstimator = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.clip_c <= 1.0:
+            raise ValueError(f"clip_c must be > 1 for dual-clip, got {self.clip_c}")
+        if self.agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"agg must be one of {LOSS_AGGREGATIONS}, got {self.agg!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: float = 10.0,
-    agg: LossAgg = "token-mean",
+    settings: LossSettings = LossSettings(),  # noqa: B008 (frozen: one shared default is safe)
+    *,
     normalizer: float | None = None,
     token_weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KlEstimator = "k3",
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO's clipped policy-gradient loss with dual-clip (RLEP eq. 3/4, verl `compute_policy_loss`).
 
@@ -216,17 +238,14 @@ def policy_loss(
         old_logprobs: `[B, T]` the same under the policy before this update (no gradient).
         advantages: `[B]` one advantage per sequence, broadcast over its tokens.
         loss_mask: `[B, T]` 1 for response tokens that count, 0 for padding.
-        clip_low / clip_high: the ratio is clipped to `[1 - clip_low, 1 + clip_high]`.
-        clip_c: dual-clip bound; for negative advantages the loss is capped at `-A * clip_c`.
-        agg: how per-token losses are reduced (see `aggregate_loss`).
+        settings: clip bounds, aggregation, KL and entropy coefficients (`LossSettings`; default DAPO's).
         normalizer: denominator override for gradient accumulation (see `aggregate_loss`).
-        token_weights: `[B, T]` optional constant weights of each token's loss (no gradient), e.g.
-            `behavior_weights` for AReaL's decoupled objective; None = 1 everywhere.
-        ref_logprobs: `[B, T]` a reference policy's logprobs; with `kl_coef` > 0 each token's loss gains
+        token_weights: `[B, T]` optional constant weights of each token's loss (no gradient), e.g. a behavior
+            correction's (`mismatch.correction_weights`); None = 1 everywhere.
+        ref_logprobs: `[B, T]` a reference policy's logprobs; with `settings.kl_coef` > 0 each token's loss gains
             `kl_coef * kl_estimate(logprobs, ref_logprobs, kl_estimator)` (not re-weighted by `token_weights`).
-        entropy: `[B, T]` the policy's entropy at each position, with its gradient; with `entropy_coef` > 0 each
-            token's loss loses `entropy_coef * entropy` (an entropy bonus).
-        With both coefficients 0 (the default) the loss is exactly DAPO's: nothing is added.
+        entropy: `[B, T]` the policy's entropy at each position, with its gradient; needed with
+            `settings.entropy_coef` > 0.
 
     Returns:
         `(loss, metrics)`: a scalar loss to minimise and detached 0-dim tensors `clip_fraction` (tokens where the
@@ -241,17 +260,15 @@ def policy_loss(
         )
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [B]={tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
-    if clip_c <= 1.0:
-        raise ValueError(f"clip_c must be > 1 for dual-clip, got {clip_c}")
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
     log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # [B, T]
 
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
     ppo_loss = torch.maximum(unclipped, clipped)  # pessimistic bound of PPO
-    dual_bound = -adv * clip_c
+    dual_bound = -adv * settings.clip_c
     dual_loss = torch.minimum(dual_bound, ppo_loss)  # caps the loss of very large ratios when A < 0
     per_token = torch.where(adv < 0, dual_loss, ppo_loss)
     if token_weights is not None:
@@ -259,17 +276,17 @@ def policy_loss(
             raise ValueError(f"token_weights must be {tuple(logprobs.shape)}, got {tuple(token_weights.shape)}")
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     kl = None
-    if kl_coef > 0:
+    if settings.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
-        per_token = per_token + kl_coef * kl
-    if entropy_coef > 0:
+        kl = kl_estimate(logprobs, ref_logprobs, settings.kl_estimator)
+        per_token = per_token + settings.kl_coef * kl
+    if settings.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the entropy")
-        per_token = per_token - entropy_coef * entropy
+        per_token = per_token - settings.entropy_coef * entropy
 
-    loss = aggregate_loss(per_token, loss_mask, agg, normalizer)
+    loss = aggregate_loss(per_token, loss_mask, settings.agg, normalizer)
     with torch.no_grad():  # 0-dim tensors on the loss's device: reading them is the caller's (one sync per read)
         metrics = {
             "clip_fraction": _safe_mean((clipped > unclipped).to(mask.dtype), mask),
@@ -280,31 +297,6 @@ def policy_loss(
         if kl is not None:
             metrics["kl_ref"] = _safe_mean(kl, mask)
     return loss, metrics
-
-
-def behavior_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, cap: float) -> Tensor:
-    """Per-token importance weights pi_old / pi_behavior, truncated at `cap` (AReaL's decoupled PPO objective
-    with a truncated weight, as in TIS): they re-weight samples drawn by other weights than the update's old
-    policy (a stale replica, a sampler whose kernels differ) towards the old policy the PPO ratio starts from.
-
-    Args:
-        old_logprobs: `[B, T]` logprobs under the weights the update starts from (recomputed by the learner).
-        behavior_logprobs: `[B, T]` the sampler's logprobs of the same tokens; NaN where there is none
-            (replayed rows, padding, prompt positions): those tokens get weight 1.
-        cap: upper bound of a weight (>= 1); there is no lower bound, as in TIS.
-
-    Returns:
-        `[B, T]` float weights in `[0, cap]`, with no gradient.
-    """
-    if old_logprobs.shape != behavior_logprobs.shape:
-        raise ValueError(
-            f"old_logprobs and behavior_logprobs must share a shape, got "
-            f"{tuple(old_logprobs.shape)}, {tuple(behavior_logprobs.shape)}"
-        )
-    if cap < 1.0:
-        raise ValueError(f"cap must be >= 1, got {cap}")
-    log_weight = torch.clamp(old_logprobs.detach() - behavior_logprobs, max=math.log(cap))
-    return torch.where(torch.isnan(behavior_logprobs), 1.0, torch.exp(log_weight)).to(old_logprobs.dtype)
 
 
 def overlong_penalty(response_lengths: Tensor, max_len: int, buffer_len: int, penalty_factor: float) -> Tensor:

@@ -223,7 +223,7 @@ def _chunk_scores(
     targets: Tensor,
     with_entropy: bool,
     entropy_grad: bool = False,
-    sampling: Sampling | None = None,
+    sampling: LogitProcessing | None = None,
 ):
     """`[C, H]` inputs of the head and `[C]` targets -> (`[C]` logprobs, `[C]` entropy or None)."""
     if sampling is not None:  # the model's own logprobs and those of the distribution the sampler draws from
@@ -242,9 +242,9 @@ def _chunk_scores(
     return logprobs, entropy
 
 
-class Sampling(NamedTuple):
-    """A sampler's temperature and top-p: `token_scores` given one returns the logprobs of the distribution it
-    draws from (`processed_logprobs`) instead of the model's own."""
+class LogitProcessing(NamedTuple):
+    """How a sampler processes the logits it draws from: temperature, then top-p. `token_scores` given one returns
+    the logprobs of that processed distribution (`processed_logprobs`) instead of the model's own."""
 
     temperature: float
     top_p: float
@@ -257,7 +257,7 @@ def token_scores(
     with_entropy: bool = True,
     chunk_positions: int = SCORE_CHUNK_POSITIONS,
     entropy_grad: bool = False,
-    sampling: Sampling | None = None,
+    sampling: LogitProcessing | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob and entropy of every next token, `chunk_positions` positions at a time.
 
@@ -338,7 +338,7 @@ class ScoringModel(torch.nn.Module):
         attention_mask: Tensor,
         with_entropy: bool = True,
         entropy_grad: bool = False,
-        sampling: Sampling | None = None,
+        sampling: LogitProcessing | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """`[N, L]` ids and mask -> (`[N, L-1]` logprobs, `[N, L-1]` entropy or None); see `token_scores`."""
         if self.plain_head:

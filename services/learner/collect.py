@@ -32,8 +32,8 @@ from rlep.common.files import load_safetensors
 from rlep.common.policy_info import policy_version_of
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.services.learner.config import CollectConfig
-from rlep.services.learner.generation import ServiceClients
-from rlep.services.learner.scoring import sampled_trajectories
+from rlep.services.learner.scored_trajectories import sampled_trajectories
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.types import Sampling

@@ -17,7 +17,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlep.common.config import StrictModel, TlsFiles
-from rlep.services.learner.algorithm import LossAgg
+from rlep.services.learner.algorithm import LossAgg, LossSettings
+from rlep.services.learner.mismatch import Correction
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, port_range_error
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
@@ -82,7 +83,7 @@ class AlgorithmConfig(StrictModel):
     staler than k (e.g. from a replica that rejoined on old weights) are dropped and counted in the step
     record. Old logprobs are recomputed under the learner's weights before the update (docs/learner.md, *Overlap*)."""
     behavior_correction: Literal["auto", "none", "truncated_is", "seq_truncated_is", "masked_is", "seq_masked_is"] = (
-        "auto"  # the corrections: mismatch.CORRECTIONS
+        "auto"  # "auto", "none" and mismatch.CORRECTIONS (tests/unit/test_mismatch.py checks they agree)
     )
     """Beyond the reference: how fresh samples drawn by other weights than the update's old policy are corrected
     (docs/learner.md, *Overlap*). `none`: the PPO ratio starts from old logprobs recomputed under the learner's
@@ -112,6 +113,19 @@ class AlgorithmConfig(StrictModel):
     """Upper bound of a truncated weight; [1/cap, cap] is the band a masked correction keeps."""
 
     @property
+    def loss_settings(self) -> LossSettings:
+        """What `policy_loss` needs of this config; the KL term joins the loss only with `kl_in: loss`."""
+        return LossSettings(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            clip_c=self.clip_c,
+            agg=self.loss_agg,
+            kl_coef=self.kl_coef if self.kl_in == "loss" else 0.0,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+        )
+
+    @property
     def mini_batch_size(self) -> int:
         """Rows per optimizer step (`mini_batch_rows`)."""
         per_question = self.fresh_per_question
@@ -131,7 +145,7 @@ class AlgorithmConfig(StrictModel):
         return "processed_logprobs" if self.correction != "none" and not self.untempered else "raw_logprobs"
 
     @property
-    def correction(self) -> str:
+    def correction(self) -> Correction | Literal["none"]:
         """`behavior_correction` with `auto` resolved."""
         if self.behavior_correction != "auto":
             return self.behavior_correction

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.config import DeepSpeedConfig, OptimConfig
 from rlep.services.learner.jit_locks import clear_stale_jit_locks
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,9 @@ def deepspeed_op_ready(builder_name: str) -> bool:
     return compiler and is_ninja_available() and builder.is_compatible(verbose=False)
 
 
-def deepspeed_config(config: TrainConfig, world_size: int, adam: AdamKind = "torch") -> dict[str, Any]:
-    optim, ds = config.optim, config.deepspeed
+def deepspeed_config(
+    optim: OptimConfig, ds: DeepSpeedConfig, world_size: int, adam: AdamKind = "torch"
+) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # really partition small models too
@@ -160,12 +161,12 @@ def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
         unset_hf_deepspeed_config()  # later loads in this process (a stage-2 run) must not see it
 
 
-def load_model(model_dir: Path, config: TrainConfig, ds_config: dict[str, Any]) -> torch.nn.Module:
+def load_model(model_dir: Path, ds: DeepSpeedConfig, ds_config: dict[str, Any]) -> torch.nn.Module:
     """The HF causal LM in the training dtype (partitioned under ZeRO-3), with gradient checkpointing if asked."""
     from transformers import AutoModelForCausalLM
 
     with partitioned_loading(ds_config):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TRAIN_DTYPES[config.deepspeed.dtype])
-    if config.deepspeed.gradient_checkpointing:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TRAIN_DTYPES[ds.dtype])
+    if ds.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

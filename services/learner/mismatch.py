@@ -18,18 +18,23 @@ r = pi_learner / pi_rollout = exp(old_logprob - sampler_logprob):
   importance weight would drop and a truncated one cap.
 
 Replayed rows have no sampler (they were stored, not sampled by these weights) and are not part of it.
+
+The corrections of it live here too (`behavior_correction`): one function per mode (`truncated_is`,
+`seq_truncated_is`, `masked_is`, `seq_masked_is`), chosen by `correction_weights` from `CORRECTION_WEIGHTS`; their
+per-token weights go to `policy_loss` as `token_weights`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-from rlep.services.learner.algorithm import LOG_RATIO_CLAMP, behavior_weights
+from rlep.services.learner.algorithm import LOG_RATIO_CLAMP
 
 
 @dataclass(frozen=True)
@@ -90,16 +95,63 @@ def rollout_mismatch(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tenso
 
 
 Correction = Literal["truncated_is", "seq_truncated_is", "masked_is", "seq_masked_is"]
-CORRECTIONS: tuple[str, ...] = get_args(Correction)
+CORRECTIONS: tuple[Correction, ...] = get_args(Correction)
 
 
-def correction_weights(mode: str, old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
-    """Importance weights pi_learner / pi_rollout that correct the mismatch, per token (`behavior_correction`).
+def _sampled_log_ratio(old_logprobs: Tensor, sampler_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """`(sampled [B, T] bool, log r [B, T])`: where the sampler gave a logprob, and log(pi_learner / pi_rollout)
+    there, clamped like the PPO ratio (0 elsewhere)."""
+    sampled = ~torch.isnan(sampler_logprobs)
+    log_ratio = torch.where(sampled, old_logprobs.detach() - sampler_logprobs, 0.0).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
+    return sampled, log_ratio
 
-    - `truncated_is` (TIS): each token's ratio, capped at `cap` (AReaL's decoupled objective, truncated);
-    - `seq_truncated_is`: the sequence's ratio (the product of its tokens'), capped at `cap`, on all its tokens;
-    - `masked_is` (IcePop): 1 for a token whose ratio lies in [1/cap, cap], 0 (left out of the gradient) otherwise;
-    - `seq_masked_is`: 1 for every token of a sequence whose geometric-mean ratio lies in [1/cap, cap], else 0.
+
+def truncated_is(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """TIS: each token's ratio pi_old / pi_sampler, truncated at `cap`, no lower bound (AReaL's decoupled PPO
+    objective with a truncated weight): it re-weights samples drawn by other weights than the update's old policy
+    (a stale replica, a sampler whose kernels differ) towards the old policy the PPO ratio starts from."""
+    log_weight = torch.clamp(old_logprobs.detach() - sampler_logprobs, max=math.log(cap))
+    return torch.where(torch.isnan(sampler_logprobs), 1.0, torch.exp(log_weight)).to(old_logprobs.dtype)
+
+
+def seq_truncated_is(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """The sequence's ratio (the product of its sampled tokens'), truncated at `cap`, on all its tokens."""
+    sampled, log_ratio = _sampled_log_ratio(old_logprobs, sampler_logprobs)
+    per_row = log_ratio.sum(dim=1, keepdim=True)  # log of the sequence's ratio
+    weights = per_row.clamp(max=math.log(cap)).exp().expand_as(log_ratio)
+    return torch.where(sampled, weights, 1.0).to(old_logprobs.dtype)
+
+
+def masked_is(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """IcePop: 1 for a token whose ratio lies in [1/cap, cap], 0 (left out of the gradient) otherwise."""
+    sampled, log_ratio = _sampled_log_ratio(old_logprobs, sampler_logprobs)
+    weights = (log_ratio.abs() <= math.log(cap)).to(log_ratio.dtype)
+    return torch.where(sampled, weights, 1.0).to(old_logprobs.dtype)
+
+
+def seq_masked_is(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """1 for every token of a sequence whose geometric-mean ratio (over its sampled tokens) lies in [1/cap, cap],
+    else 0."""
+    sampled, log_ratio = _sampled_log_ratio(old_logprobs, sampler_logprobs)
+    per_row = log_ratio.sum(dim=1, keepdim=True)  # log of the sequence's ratio
+    geometric = per_row / sampled.sum(dim=1, keepdim=True).clamp(min=1)
+    weights = (geometric.abs() <= math.log(cap)).to(log_ratio.dtype).expand_as(log_ratio)
+    return torch.where(sampled, weights, 1.0).to(old_logprobs.dtype)
+
+
+CORRECTION_WEIGHTS: dict[Correction, Callable[[Tensor, Tensor, float], Tensor]] = {
+    "truncated_is": truncated_is,
+    "seq_truncated_is": seq_truncated_is,
+    "masked_is": masked_is,
+    "seq_masked_is": seq_masked_is,
+}
+
+
+def correction_weights(mode: Correction, old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """Importance weights pi_learner / pi_rollout that correct the mismatch, per token (`behavior_correction`):
+    `mode`'s function of `CORRECTION_WEIGHTS` (`truncated_is`, `seq_truncated_is`, `masked_is`, `seq_masked_is`).
 
     Args:
         mode: one of `CORRECTIONS`.
@@ -111,7 +163,7 @@ def correction_weights(mode: str, old_logprobs: Tensor, sampler_logprobs: Tensor
     Returns:
         `[B, T]` weights in `old_logprobs`' dtype, with no gradient.
     """
-    if mode not in CORRECTIONS:
+    if mode not in CORRECTION_WEIGHTS:
         raise ValueError(f"unknown correction {mode!r}; expected one of {CORRECTIONS}")
     if old_logprobs.shape != sampler_logprobs.shape:
         raise ValueError(
@@ -120,26 +172,12 @@ def correction_weights(mode: str, old_logprobs: Tensor, sampler_logprobs: Tensor
         )
     if cap < 1.0:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    sampled = ~torch.isnan(sampler_logprobs)
-    log_ratio = torch.where(sampled, old_logprobs.detach() - sampler_logprobs, 0.0).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
-    )
-    bound = math.log(cap)
-    if mode == "truncated_is":  # the original: computed as before this module existed
-        return behavior_weights(old_logprobs, sampler_logprobs, cap)
-    if mode == "masked_is":
-        weights = (log_ratio.abs() <= bound).to(log_ratio.dtype)
-    else:
-        per_row = log_ratio.sum(dim=1, keepdim=True)  # log of the sequence's ratio
-        if mode == "seq_truncated_is":
-            weights = per_row.clamp(max=bound).exp().expand_as(log_ratio)
-        else:
-            geometric = per_row / sampled.sum(dim=1, keepdim=True).clamp(min=1)
-            weights = (geometric.abs() <= bound).to(log_ratio.dtype).expand_as(log_ratio)
-    return torch.where(sampled, weights, 1.0).to(old_logprobs.dtype)
+    return CORRECTION_WEIGHTS[mode](old_logprobs, sampler_logprobs, cap)
 
 
-def correction_figures(mode: str, old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float) -> dict:
+def correction_figures(
+    mode: Correction, old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
+) -> dict:
     """What a correction did to a step's batch, for its record (`rollout_correction_<name>`): the mean weight and the
     fraction of weight-0 tokens over the sampled tokens trained on, and the rows left at weight 1 for having no
     sampler (replayed rows)."""

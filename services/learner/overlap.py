@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rlep.common.types import Trajectory
-from rlep.services.learner.generation import Gathered, StepInputs, StepTimer
+from rlep.services.learner.step_inputs import Gathered, StepInputs, StepTimer
 
 log = logging.getLogger(__name__)
 

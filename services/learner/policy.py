@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
-from rlep.services.learner.batch import ExperienceBatch, Sampling, ScoringModel, mini_batches
+from rlep.services.learner.batch import ExperienceBatch, LogitProcessing, ScoringModel, mini_batches
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (
     TRAIN_DTYPES,
@@ -87,8 +87,8 @@ class DeepSpeedPolicy:
         self.train_dtype = TRAIN_DTYPES[ds.dtype]  # what `save_hf` writes: no upcast, no rounding
         offload = ds.offload_optimizer and ds.zero_stage > 0
         self.adam = choose_adam(ds.adam, torch.cuda.is_available(), offload, deepspeed_op_ready)
-        ds_config = deepspeed_config(config, world_size, self.adam)
-        model = load_model(model_dir, config, ds_config)
+        ds_config = deepspeed_config(config.optim, config.deepspeed, world_size, self.adam)
+        model = load_model(model_dir, config.deepspeed, ds_config)
         self.tied = bool(model.config.tie_word_embeddings)
         self.lora = config.lora.enabled  # only the adapters train (lora.py)
         model = apply_lora(model, config.lora) if self.lora else model
@@ -107,7 +107,7 @@ class DeepSpeedPolicy:
         if config.algorithm.kl_coef and self.lora:  # the policy with its adapter off: the base never trains
             self.reference = AdapterOff(self.engine, model)
         elif config.algorithm.kl_coef:
-            self.reference = load_reference(model_dir, config, ds_config, self.device)
+            self.reference = load_reference(model_dir, config.deepspeed, ds_config, self.device)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -140,11 +140,11 @@ class DeepSpeedPolicy:
         `top_p` draws from (vLLM's `processed_logprobs`): what a behavior correction compares under tempered
         sampling."""
         self.engine.eval()
-        logprobs, processed = self._score(self.engine, batch, Sampling(temperature, top_p))
+        logprobs, processed = self._score(self.engine, batch, LogitProcessing(temperature, top_p))
         return logprobs, processed
 
     def _score(
-        self, module, batch: ExperienceBatch, sampling: Sampling | None = None
+        self, module, batch: ExperienceBatch, sampling: LogitProcessing | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(`[N, L-1]` logprobs, `[N, L-1]` processed logprobs when `sampling` is given, else None), on the host."""
         outs = [torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)]
@@ -227,6 +227,7 @@ class DeepSpeedPolicy:
         of the statistics.
         """
         algo = self.config.algorithm
+        settings = algo.loss_settings
         normalizer = mini_batch_normalizer(batch.loss_mask[mini], algo.loss_agg, self.world_size)
         micros = self._micro_batches(batch, mini)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
@@ -244,17 +245,11 @@ class DeepSpeedPolicy:
                 sub.old_logprobs,
                 sub.advantages,
                 sub.loss_mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                clip_c=algo.clip_c,
-                agg=algo.loss_agg,
+                settings,
                 normalizer=normalizer,
                 token_weights=self._token_weights(sub),
                 ref_logprobs=sub.ref_logprobs,
-                kl_coef=algo.kl_coef if self._kl_in_loss else 0.0,
-                kl_estimator=algo.kl_estimator,
                 entropy=entropy,
-                entropy_coef=algo.entropy_coef,
             )
             self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             self.engine.backward(loss * scale, scale_wrt_gas=False)

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from rlep.common.ports import free_port
-from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.config import LocalServicesConfig, TrainConfig
 from rlep.services.learner.policy_interface import Policy, spread_calls
 
 
@@ -97,28 +97,30 @@ class PolicyProcess:
 PolicyActor = ray.remote(PolicyProcess)
 
 
-def learner_gpus(config: TrainConfig, cluster_gpus: float) -> float:
+def learner_gpus(local: LocalServicesConfig, cluster_gpus: float) -> float:
     """Ray GPUs per learner process: `local.learner_gpus`, or 1 when the cluster has GPUs (the driver may run on a
     CPU-only head node), else 0."""
-    gpus = config.local.learner_gpus
+    gpus = local.learner_gpus
     return (1.0 if cluster_gpus > 0 else 0.0) if gpus is None else gpus
 
 
-def rollout_gpus(config: TrainConfig, cluster_gpus: float) -> float:
+def rollout_gpus(local: LocalServicesConfig, cluster_gpus: float) -> float:
     """Ray GPUs per locally started rollout replica: `local.rollout_gpus`, else its engine's tensor-parallel size
     when the cluster has GPUs (vLLM runs one worker per GPU), else 0."""
-    local = config.local
     if local.rollout_gpus is not None:
         return local.rollout_gpus
     return float(local.rollout_engine.tensor_parallel_size) if cluster_gpus > 0 else 0.0
 
 
-def check_gpus_fit(config: TrainConfig, cluster_gpus: float, start_rollout: bool) -> None:
-    """Refuses (ValueError), naming the numbers, a run whose learner processes and, when started here, rollout
-    replicas need more GPUs than the Ray cluster has: Ray would leave the rest pending forever instead of failing."""
-    demand = {"learner": (config.deepspeed.num_processes, learner_gpus(config, cluster_gpus))}
+def check_gpus_fit(
+    local: LocalServicesConfig, learner_processes: int, cluster_gpus: float, start_rollout: bool
+) -> None:
+    """Refuses (ValueError), naming the numbers, a run whose `learner_processes` (`deepspeed.num_processes`) and,
+    when started here, rollout replicas need more GPUs than the Ray cluster has: Ray would leave the rest pending
+    forever instead of failing."""
+    demand = {"learner": (learner_processes, learner_gpus(local, cluster_gpus))}
     if start_rollout:
-        demand = {"rollout": (config.local.rollout_replicas, rollout_gpus(config, cluster_gpus)), **demand}
+        demand = {"rollout": (local.rollout_replicas, rollout_gpus(local, cluster_gpus)), **demand}
     needed = sum(count * gpus for count, gpus in demand.values())
     if needed > cluster_gpus:
         itemised = ", ".join(f"{name} {count} x {gpus:g}" for name, (count, gpus) in demand.items())
@@ -136,8 +138,8 @@ class RayPolicy(Policy):
     def __init__(self, model_dir: Path, config: TrainConfig):
         world = config.deepspeed.num_processes
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-        check_gpus_fit(config, cluster_gpus, start_rollout=False)
-        options = {"num_cpus": config.local.learner_cpus, "num_gpus": learner_gpus(config, cluster_gpus)}
+        check_gpus_fit(config.local, config.deepspeed.num_processes, cluster_gpus, start_rollout=False)
+        options = {"num_cpus": config.local.learner_cpus, "num_gpus": learner_gpus(config.local, cluster_gpus)}
         self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
         master, port = ray.get(self.actors[0].rendezvous.remote())
         settings = config.model_dump(mode="json")

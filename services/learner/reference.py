@@ -18,21 +18,19 @@ from typing import Any
 import torch
 
 from rlep.services.learner.batch import ScoringModel
-from rlep.services.learner.config import TrainConfig
+from rlep.services.learner.config import DeepSpeedConfig
 from rlep.services.learner.deepspeed_setup import load_model
 
 log = logging.getLogger(__name__)
 
 
-def load_reference(model_dir: Path, config: TrainConfig, ds_config: dict[str, Any], device: torch.device):
+def load_reference(model_dir: Path, ds: DeepSpeedConfig, ds_config: dict[str, Any], device: torch.device):
     """The frozen reference as a module whose forward is `ScoringModel`'s: a DeepSpeed engine under ZeRO-3, else
     a plain module on `device`."""
     import deepspeed
 
     # Without gradient checkpointing or an optimizer: the reference never trains.
-    frozen = config.model_copy(
-        update={"deepspeed": config.deepspeed.model_copy(update={"gradient_checkpointing": False})}
-    )
+    frozen = ds.model_copy(update={"gradient_checkpointing": False})
     inference = {k: v for k, v in ds_config.items() if k not in ("optimizer", "gradient_clipping")}
     model = load_model(model_dir, frozen, inference)
     model.requires_grad_(False)

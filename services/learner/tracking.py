@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from rlep.common.config import redact_secrets
 from rlep.services.learner.config import LoggingConfig, TrainConfig, WandbConfig
-from rlep.services.learner.generations import LoggedGeneration, markdown_table
+from rlep.services.learner.generation_log import LoggedGeneration, markdown_table
 
 __all__ = [
     "StepSink",
@@ -44,7 +44,7 @@ class StepSink(Protocol):
         """Logs one record (a JSONL line as a dict) at `step`."""
 
     def write_generations(self, step: int, rows: Sequence[LoggedGeneration]) -> None:
-        """Logs a few of the step's sampled responses as a table (`generations.pick`)."""
+        """Logs a few of the step's sampled responses as a table (`generation_log.pick`)."""
 
     def close(self) -> None:
         """Flushes and releases the sink (the run ended or failed)."""

@@ -4,7 +4,7 @@ A step (RLEP / DAPO-nodyn, defaults in config.py): B questions from the cursor, 
 left-truncated by the learner (`tokens.py`) -> rollout samples G each -> verifier scores them
 (+ overlong shaping); with dynamic sampling, groups whose rewards are all equal are dropped and more
 questions generated until B are kept -> replay adds M stored successes per question, laid out and
-scored like fresh samples (`scoring.py`) -> advantages over each mixed group of G+M -> old logprobs
+scored like fresh samples (`scored_trajectories.py`) -> advantages over each mixed group of G+M -> old logprobs
 of all G+M under the current weights -> PPO mini-batch updates with DAPO's loss -> new weights pushed
 to every rollout replica. M=0 is the baseline, on the same path.
 
@@ -25,9 +25,6 @@ step 1), and every log line about a step names that number. `self.step` counts t
 being trained is `self.step + 1`; the 0-based index (`self.step` during the step) only seeds its sampling.
 Policy versions grow by one per push and never go back, across `--resume` too: a resumed run starts above the
 checkpoint's version, the step log's last version and whatever the replicas serve.
-
-Fault injection (tests only): with `RLEP_FAULT_KILL_AFTER_CHECKPOINT=<step>` in its environment the
-process SIGKILLs itself right after that step's checkpoint is written, as a crash would.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import shutil
-import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,19 +43,19 @@ import torch
 
 from rlep.common.policy_info import write_policy_info
 from rlep.common.types import Group, Trajectory, Verdict
-from rlep.services.learner import generations
-from rlep.services.learner.algorithm import kl_estimate
+from rlep.services.learner import generation_log
+from rlep.services.learner.algorithm import KlEstimator, kl_estimate
 from rlep.services.learner.batch import ExperienceBatch, build_batch, with_kl_reward_penalty
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor, Question
-from rlep.services.learner.generation import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.metrics import LearnerMetrics
 from rlep.services.learner.mismatch import correction_figures, rollout_mismatch
 from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
 from rlep.services.learner.replay_signal import replay_signal
-from rlep.services.learner.scoring import ReplayReport
+from rlep.services.learner.scored_trajectories import ReplayReport
+from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import StepSink, run_dir
 from rlep.services.rollout.client import Replica
@@ -73,9 +68,6 @@ __all__ = ["Policy", "ServiceClients", "Trainer"]
 
 GENERATIONS_FILE = "generations.jsonl"  # in the run's directory, beside the step log when that is there too
 log = logging.getLogger(__name__)
-
-# The resume test kills the learner at a known point instead of racing a poll of the step log.
-KILL_AFTER_CHECKPOINT_ENV = "RLEP_FAULT_KILL_AFTER_CHECKPOINT"
 
 
 class Trainer:
@@ -319,7 +311,7 @@ class Trainer:
             advantage_std=float(batch.advantages.std()) if batch.size > 1 else 0.0,
             clip_fraction=stats["clip_fraction"],
             approx_kl=stats["approx_kl"],
-            kl_ref=stats.get("kl_ref", _kl_of(batch, self.config)),
+            kl_ref=stats.get("kl_ref", _kl_of(batch, self.config.algorithm.kl_estimator)),
             entropy=stats["entropy"],
             loss=stats["loss"],
             lr=stats["lr"],
@@ -359,9 +351,9 @@ class Trainer:
         if count == 0 or (folder is None and not self.sinks):
             return
         questions = [q.messages[-1][1] for q in gathered.questions]
-        rows = generations.pick(self.step, questions, [g.trajectories for g in groups], count)
+        rows = generation_log.pick(self.step, questions, [g.trajectories for g in groups], count)
         if folder is not None:
-            generations.append_jsonl(folder / GENERATIONS_FILE, rows)
+            generation_log.append_jsonl(folder / GENERATIONS_FILE, rows)
         for sink in self.sinks:
             sink.write_generations(self.step, rows)
 
@@ -389,17 +381,14 @@ class Trainer:
         )
         for old in tags[: -ckpt.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        if os.environ.get(KILL_AFTER_CHECKPOINT_ENV) == str(self.step):
-            log.warning("%s=%d: killing this process after its checkpoint", KILL_AFTER_CHECKPOINT_ENV, self.step)
-            os.kill(os.getpid(), signal.SIGKILL)
         return ckpt.dir / tag / "hf"
 
 
-def _kl_of(batch: ExperienceBatch, config: TrainConfig) -> float | None:
+def _kl_of(batch: ExperienceBatch, estimator: KlEstimator) -> float | None:
     """The old policy's mean KL estimate to the reference over the trained tokens (a KL term in the reward)."""
     if batch.ref_logprobs is None or batch.old_logprobs is None:
         return None
-    per_token = kl_estimate(batch.old_logprobs, batch.ref_logprobs, config.algorithm.kl_estimator)
+    per_token = kl_estimate(batch.old_logprobs, batch.ref_logprobs, estimator)
     return float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1))
 
 

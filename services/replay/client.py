@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+import grpc
 from google.protobuf.message import DecodeError
 
-from rlep.common.grpc_utils import call_with_retry, make_channel
+from rlep.common.grpc_channel import make_channel
+from rlep.common.grpc_retry import call_with_retry
 from rlep.common.types import Trajectory
 from rlep.common.v1 import trajectory_pb2
 from rlep.common.wire import trajectory_from_proto, trajectory_to_proto
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.sampling import Strategy
+from rlep.services.replay.types import PoolNotFound
 
 # One step's Sample is ~1 MB and milliseconds; adds and stats on a big pool take longer.
 DEFAULT_TIMEOUT_S = 60.0
@@ -66,6 +69,10 @@ class ReplayClient:
         seed: int = 0,
         min_policy_version: int = 0,
     ) -> dict[str, list[Trajectory]]:
+        """Up to `m` stored successes per question id (fewer, or none, where the pool holds fewer).
+
+        Raises PoolNotFound when the pool does not exist (the server answered NOT_FOUND).
+        """
         request = replay_pb2.SampleRequest(
             pool=pool,
             question_ids=question_ids,
@@ -75,7 +82,12 @@ class ReplayClient:
             min_policy_version=min_policy_version,
             trajectories_as_bytes=True,
         )
-        reply = self._call(self.stub.Sample, request)
+        try:
+            reply = self._call(self.stub.Sample, request)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                raise PoolNotFound(pool) from err
+            raise
         return {s.question_id: sampled_trajectories(s) for s in reply.samples}
 
     def stats(self, pool: str) -> replay_pb2.PoolStats:

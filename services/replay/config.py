@@ -50,7 +50,7 @@ class ReplayConfig(StrictModel):
 
     @model_validator(mode="after")
     def check_sample_bytes_fit_a_reply(self) -> ReplayConfig:
-        # rlep.common.grpc_utils.CHANNEL_LIMIT_FACTOR (not imported: configs load without grpc).
+        # rlep.common.grpc_server.CHANNEL_LIMIT_FACTOR (not imported: configs load without grpc).
         send_limit = self.server.max_request_bytes * 2
         if self.max_sample_bytes >= send_limit:
             raise ValueError(

@@ -12,7 +12,8 @@ import grpc
 import redis
 from prometheus_client import Counter
 
-from rlep.services.replay.store import LimitExceeded, PoolNotFound
+from rlep.services.replay.requests import InvalidRequest, LimitExceeded
+from rlep.services.replay.types import PoolNotFound
 
 log = logging.getLogger("rlep.services.replay")
 
@@ -104,5 +105,7 @@ def status_for_errors(
         context.abort(
             grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.INTERNAL, f"Redis answered an error: {err}"
         )
-    except ValueError as err:
+    except InvalidRequest as err:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    except ValueError as err:  # a value the sampling logic refuses, as malformed as a request check's
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

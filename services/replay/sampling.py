@@ -1,4 +1,4 @@
-"""Replay logic that needs no Redis: pool names, sampling strategies, length buckets.
+"""Replay logic that needs no Redis: sampling strategies, length buckets (request checks: `requests`).
 
 Sampling is deterministic for a given seed: each question gets its own generator seeded from
 (seed, question id), so the result for one question does not depend on which other questions are
@@ -23,16 +23,11 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
-
-# Matched whole (`fullmatch`): `$` alone lets a trailing newline through ("base\n" would be a pool of its own).
-POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-MAX_QUESTION_ID_CHARS = 256
 
 
 class Strategy(StrEnum):
@@ -45,26 +40,6 @@ class Strategy(StrEnum):
 class Eviction(StrEnum):
     OLDEST = "oldest"
     LOWEST_PRIORITY = "lowest_priority"
-
-
-def check_pool_name(pool: str) -> None:
-    if not POOL_NAME.fullmatch(pool):
-        raise ValueError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
-
-
-def question_id_problem(qid: str) -> str | None:
-    """Why `qid` cannot name a question (in a trajectory, a question or a request), or None."""
-    if not qid:
-        return "missing question_id"
-    if len(qid) > MAX_QUESTION_ID_CHARS:
-        return f"question_id longer than {MAX_QUESTION_ID_CHARS} characters"
-    return None
-
-
-def check_question_id(qid: str, where: str) -> None:
-    """ValueError naming `where` (e.g. "question_ids[3]") when `question_id_problem` finds a problem."""
-    if problem := question_id_problem(qid):
-        raise ValueError(f"{where}: {problem}")
 
 
 def _question_digest(seed: int, question_id: str) -> int:

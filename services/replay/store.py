@@ -37,6 +37,8 @@ import redis
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
 from rlep.services.replay.lua import ADD_SCRIPT, SAMPLE_UNIFORM_SCRIPT
+from rlep.services.replay.pool_stats import PoolCounters
+from rlep.services.replay.requests import LimitExceeded
 from rlep.services.replay.sampling import (
     Candidate,
     Eviction,
@@ -46,18 +48,11 @@ from rlep.services.replay.sampling import (
     question_rng,
     question_stream_seed,
 )
+from rlep.services.replay.types import PoolNotFound
 
 ROOT = "rlep:replay"
 # One Lua call blocks every other client of Redis: ~2k picks take a few milliseconds.
 UNIFORM_PICKS_PER_CALL = 2048
-
-
-class PoolNotFound(KeyError):
-    pass
-
-
-class LimitExceeded(Exception):
-    """A request would cost more than a configured bound (the service answers RESOURCE_EXHAUSTED)."""
 
 
 def _never_stop() -> None:
@@ -318,7 +313,8 @@ class RedisReplayStore:
             ]
             yield questions, [[p for p in payloads if p] for payloads in payload_lists]
 
-    def stats(self, pool: str) -> dict:
+    def stats(self, pool: str) -> PoolCounters:
+        """The pool's counters (`pool_stats` computes its figures from them)."""
         self.require_pool(pool)
         prefix = pool_prefix(pool)
         pipe = self.client.pipeline(transaction=False)
@@ -332,13 +328,19 @@ class RedisReplayStore:
             pipe.zcard(f"{prefix}:q:{qid.decode()}:ids")
         per_question = pipe.execute()
         used_memory = int(self.client.info("memory").get("used_memory", 0))
-        return {
-            "meta": {k.decode(): v.decode() for k, v in meta.items()},
-            "versions": {int(k): int(v) for k, v in versions.items() if int(v) > 0},
-            "lengths": {k.decode(): int(v) for k, v in lengths.items() if int(v) > 0},
-            "per_question": [int(c) for c in per_question],
-            "used_memory": used_memory,
-        }
+        meta = {k.decode(): v.decode() for k, v in meta.items()}
+        return PoolCounters(
+            trajectories=int(meta.get("trajectories", 0)),
+            tokens_sum=int(meta.get("tokens_sum", 0)),
+            tokens_sq_sum=int(meta.get("tokens_sq_sum", 0)),
+            payload_bytes=int(meta.get("payload_bytes", 0)),
+            capacity=int(meta.get("capacity", 0)),
+            eviction=meta.get("eviction", ""),
+            successes_per_question=tuple(int(c) for c in per_question),
+            length_buckets={k.decode(): int(v) for k, v in lengths.items() if int(v) > 0},
+            policy_versions={int(k): int(v) for k, v in versions.items() if int(v) > 0},
+            redis_used_memory_bytes=used_memory,
+        )
 
     def drop(self, pool: str, keep_going: Callable[[], None] = _never_stop) -> int:
         """Deletes a pool's keys in batches; the name goes last, so a drop stopped midway can be run again."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from rlep.common.grpc_utils import RETRYABLE_CODES, make_channel
+from rlep.common.grpc_channel import make_channel
+from rlep.common.grpc_retry import RETRYABLE_CODES
 from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.discovery import Resolver, resolve_service

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.common.grpc_utils import check_request_size, reject_unknown_fields
+from rlep.common.grpc_validation import check_request_size, reject_unknown_fields
 from rlep.common.metrics import MetricFactory
 from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rlep.common.grpc_utils import call_with_retry, make_channel
+from rlep.common.grpc_channel import make_channel
+from rlep.common.grpc_retry import call_with_retry
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_FROM_PROTO
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc

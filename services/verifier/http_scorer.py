@@ -32,7 +32,7 @@ from rlep.common.types import Verdict
 from rlep.services.verifier.config import HttpScorer
 from rlep.services.verifier.judge import CheckResult
 from rlep.services.verifier.pool import VerifyBatch
-from rlep.services.verifier.scoring import parse_extra, score_of, verdict_of
+from rlep.services.verifier.python_scorer import parse_extra, score_of, verdict_of
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class CheckResult:
     extracted_answer: str
     seconds: float = 0.0
     score: float | None = None
-    """A non-math scorer's score (`rlep.services.verifier.scoring`); None for math-verify and failed items."""
+    """A non-math scorer's score (`rlep.services.verifier.python_scorer`); None for math-verify and failed items."""
 
 
 @contextlib.contextmanager

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from rlep.common.types import Verdict
 from rlep.services.verifier.cache import LruCache
 from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, prepare_check
+from rlep.services.verifier.python_scorer import ScoreCall
 from rlep.services.verifier.queues import CLOSED, WorkQueues
-from rlep.services.verifier.scoring import ScoreCall
 from rlep.services.verifier.worker import ParseStats, Worker
 
 log = logging.getLogger(__name__)

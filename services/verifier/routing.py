@@ -21,7 +21,7 @@ from rlep.services.verifier.config import HttpScorer, MathScorer, PythonScorer, 
 from rlep.services.verifier.http_scorer import RemoteScorer
 from rlep.services.verifier.judge import CheckResult, reward_of
 from rlep.services.verifier.pool import VerifyBatch, VerifyPool
-from rlep.services.verifier.scoring import ScoreCall, load_function, parse_extra
+from rlep.services.verifier.python_scorer import ScoreCall, load_function, parse_extra
 
 _DEFAULT = ""  # the route of `default_scorer` (no data_source)
 

@@ -15,7 +15,7 @@ from concurrent.futures import CancelledError
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.common.grpc_utils import check_request_size
+from rlep.common.grpc_validation import check_request_size
 from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO

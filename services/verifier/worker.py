@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from rlep.common.types import Verdict
 from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, ParseCache, check_answer, check_key
-from rlep.services.verifier.scoring import ScoreCall, ScoreFunction, run_score_call
+from rlep.services.verifier.python_scorer import ScoreCall, ScoreFunction, run_score_call
 
 # A fresh worker imports math-verify, sympy and antlr (1-3 s); allow for a loaded machine.
 WORKER_START_TIMEOUT_S = 60.0

@@ -229,7 +229,7 @@ def hf_model(rollout):
 @pytest.fixture
 def stub(rollout, auth_token_file):
     """A raw gRPC stub of the `rollout` fixture (for requests the typed client would never send)."""
-    from rlep.common.grpc_utils import make_channel
+    from rlep.common.grpc_channel import make_channel
     from rlep.rollout.v1 import rollout_pb2_grpc
 
     return rollout_pb2_grpc.RolloutStub(make_channel(f"127.0.0.1:{rollout.port}", auth_token_file.read_text().strip()))

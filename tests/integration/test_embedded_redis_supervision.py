@@ -13,7 +13,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.services.eval.main import EMBEDDED_REDIS_LOST_EXIT_CODE as EVAL_LOST_EXIT_CODE
 from rlep.services.replay.client import ReplayClient
 from rlep.services.replay.main import EMBEDDED_REDIS_LOST_EXIT_CODE

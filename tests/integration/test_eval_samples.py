@@ -17,8 +17,8 @@ from rlep.services.cli.app import app
 from rlep.services.eval.api import DatasetRequest, EvaluationRequest, JobStatus
 from rlep.services.eval.client import EvalApiError, EvalClient
 from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.inputs import BOXED_INSTRUCTION
 from rlep.services.eval.main import start_eval
-from rlep.services.eval.scoring import BOXED_INSTRUCTION
 from tests.integration import test_eval_known_answers as known
 
 pytestmark = [pytest.mark.integration]

@@ -28,11 +28,12 @@ from typer.testing import CliRunner
 from rlep.common.tiny_model import cached_model
 from rlep.common.types import FinishReason
 from rlep.services.cli.app import app
+from rlep.services.eval.accuracy import DatasetTally, SampleScore, score_question
 from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus
 from rlep.services.eval.client import EvalApiError, EvalClient
 from rlep.services.eval.config import EvalConfig
+from rlep.services.eval.inputs import load_dataset
 from rlep.services.eval.main import start_eval
-from rlep.services.eval.scoring import DatasetTally, SampleScore, load_dataset, score_question
 from rlep.services.rollout.types import Sampling
 from tests.metrics_util import series_value
 

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 

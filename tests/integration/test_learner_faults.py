@@ -21,8 +21,8 @@ APP = "rlep-rollout-faults"
 def fault_setup(ray_local, tmp_path_factory, redis_url):
     """Two rollout replicas on Ray Serve, verifier and replay actors, one DeepSpeed learner actor."""
     from rlep.common.tiny_model import cached_model
-    from rlep.services.cli.run import policy_tokenizer
-    from rlep.services.cli.stack import ServiceStack
+    from rlep.services.launch.stack import ServiceStack
+    from rlep.services.launch.training import policy_tokenizer
     from rlep.services.learner.cursor import load_questions
     from rlep.services.learner.ray_policy import RayPolicy
     from rlep.services.learner.trainer import Trainer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
+from tests.checkpoint_util import assert_same_tree, deepspeed_state
 from tests.loop_util import arithmetic_parquet, seed_pool, train_config
 from tests.tracking_util import jsonl_scalars, read_scalars
 
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def loop_stack(ray_local, tmp_path_factory, redis_url):
     """Rollout (Ray Serve), verifier and replay (Ray actors) for the whole module."""
     from rlep.common.tiny_model import cached_model
-    from rlep.services.cli.stack import ServiceStack
+    from rlep.services.launch.stack import ServiceStack
 
     tmp = tmp_path_factory.mktemp("stack")
     config = train_config(tmp, tmp / "unused.parquet")
@@ -41,7 +42,7 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path, caplog):
     start, one line says which dtype each side runs in (here both float32: no warning)."""
     import urllib.error
 
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
     from tests.conftest import free_port
     from tests.metrics_util import scrape, series_value
 
@@ -64,7 +65,7 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path, caplog):
             refused.append(err.code)
         scraped.append((record, scrape(config.metrics_port, token="learner-metrics-token")))
 
-    with caplog.at_level(logging.INFO, logger="rlep.services.cli.run"):
+    with caplog.at_level(logging.INFO, logger="rlep.services.launch.training"):
         records = run_training(config, stack=loop_stack, show_progress=False, on_step=scrape_metrics)
 
     [dtypes] = [r for r in caplog.records if r.getMessage().startswith("dtypes:")]
@@ -149,7 +150,7 @@ def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path)
     import threading
     import urllib.error
 
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
     from tests.conftest import free_port
     from tests.metrics_util import scrape, series_value
 
@@ -165,7 +166,7 @@ def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path)
             if "keeping /metrics up" in record.getMessage():
                 lingering.set()
 
-    handler, logger = OnLinger(), logging.getLogger("rlep.services.cli.run")
+    handler, logger = OnLinger(), logging.getLogger("rlep.services.launch.training")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -190,7 +191,7 @@ def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path)
 def test_overlapped_steps_train_on_samples_one_version_old(loop_stack, tmp_path):
     """max_staleness=1 on the real stack: after the first step, each step's samples were generated while the
     previous step trained (one version old), replay is mixed in as before, and the replicas end on the last push."""
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
 
     rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
     config = train_config(tmp_path, tmp_path / "train.parquet", max_staleness=1)
@@ -218,29 +219,6 @@ def _left(started: float) -> float:
     return max(1.0, RESUME_TEST_BUDGET_S - (time.monotonic() - started))
 
 
-def _deepspeed_state(tag_dir: Path) -> tuple[dict, dict]:
-    """(model states, optimizer states) of a single-process DeepSpeed checkpoint directory."""
-    (model_file,) = tag_dir.glob("mp_rank_*_model_states.pt")
-    (optim_file,) = tag_dir.glob("*_optim_states.pt")
-    return torch.load(model_file, weights_only=False), torch.load(optim_file, weights_only=False)
-
-
-def _assert_same_tree(a, b, path: str = "") -> int:
-    """Tensors equal within float tolerance and numbers equal, recursively; returns how many tensors were compared."""
-    if isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{path}: {m}")
-        return 1
-    if isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
-        return sum(_assert_same_tree(a[k], b[k], f"{path}/{k}") for k in a)
-    if isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        return sum(_assert_same_tree(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
-    if isinstance(a, int | float | bool):
-        assert a == b, f"{path}: {a} != {b}"
-    return 0
-
-
 def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_path, ray_local):
     """`rlep train` dies by SIGKILL right after its step-2 checkpoint; `--resume` runs steps 3-4 with the exact
     question schedule and ends on the weights and optimizer state of an uninterrupted run."""
@@ -250,10 +228,9 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     import yaml
     from safetensors.torch import load_file
 
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.cursor import DataCursor, load_questions
-    from rlep.services.learner.trainer import KILL_AFTER_CHECKPOINT_ENV
     from tests.service_process import rlep_command
 
     started = time.monotonic()
@@ -273,8 +250,9 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     command += ["--ray-address", ray_local.get_runtime_context().gcs_address]
     log_path = tmp_path / "ckpt" / "log.jsonl"
 
-    env = {**os.environ, KILL_AFTER_CHECKPOINT_ENV: "2"}
-    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_left(started))
+    # The same command, run through a wrapper that SIGKILLs it right after the step-2 checkpoint.
+    dying = [sys.executable, str(Path(__file__).parents[1] / "kill_after_checkpoint.py"), "2", *command[1:]]
+    first = subprocess.run(dying, capture_output=True, text=True, timeout=_left(started))
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert [r.step for r in _log_steps(log_path)] == [1, 2]  # killed right after the step-2 checkpoint
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_2"
@@ -303,15 +281,15 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     assert [r.reward_mean for r in uninterrupted] == [r.reward_mean for r in records]
     final = load_file(str(tmp_path / "ckpt" / "step_4" / "hf" / "model.safetensors"))
     expected = load_file(str(tmp_path / "reference" / "step_4" / "hf" / "model.safetensors"))
-    assert _assert_same_tree(final, expected) == len(expected)
+    assert assert_same_tree(final, expected) == len(expected)
     (model_states, optim_states), (ref_model, ref_optim) = (
-        _deepspeed_state(tmp_path / "ckpt" / "step_4"),
-        _deepspeed_state(tmp_path / "reference" / "step_4"),
+        deepspeed_state(tmp_path / "ckpt" / "step_4"),
+        deepspeed_state(tmp_path / "reference" / "step_4"),
     )
-    assert _assert_same_tree(model_states["module"], ref_model["module"]) == len(ref_model["module"])
-    assert _assert_same_tree(optim_states["optimizer_state_dict"], ref_optim["optimizer_state_dict"]) > 0
+    assert assert_same_tree(model_states["module"], ref_model["module"]) == len(ref_model["module"])
+    assert assert_same_tree(optim_states["optimizer_state_dict"], ref_optim["optimizer_state_dict"]) > 0
     for key in ("step", "cursor", "optimizer_steps", "training_steps", "shuffle_rng"):
-        _assert_same_tree(model_states[key], ref_model[key], key)
+        assert_same_tree(model_states[key], ref_model[key], key)
     assert time.monotonic() - started < RESUME_TEST_BUDGET_S
 
 
@@ -345,7 +323,7 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
 
     from rlep.services.learner.collect import CollectConfig, collect
     from rlep.services.learner.cursor import load_questions
-    from rlep.services.learner.generation import ServiceClients
+    from rlep.services.learner.step_inputs import ServiceClients
 
     arithmetic_parquet(tmp_path / "train.parquet", 6, seed=5)
     questions = load_questions([tmp_path / "train.parquet"])
@@ -381,7 +359,7 @@ def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
 
 def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     """RLEP's released training file (reward_model.candidates, text only) works as is: `rlep train` imports it."""
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
     from rlep.services.learner.pool_seed import seed_pool_from_candidates
 
     rows = arithmetic_parquet(tmp_path / "plain.parquet", 8, seed=7)
@@ -405,19 +383,47 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     replay.drop(pool, confirm=pool)
 
 
-def test_a_countdown_run_is_scored_by_the_countdown_scorer(loop_stack, tmp_path):
+class WellFormedEquation:
+    """The stack's real rollout with sample 0 of every question rewritten to an equation of numbers no countdown
+    question draws (they are 1-99): countdown scores it FORMAT_SCORE (a wrong equation), math-verify -1. The untrained
+    tiny model writes no `<answer>` tags, so its own samples score countdown's 0."""
+
+    TEXT = "<think> none </think> <answer> 0 + 0 </answer>"
+
+    def __init__(self, rollout):
+        self._rollout = rollout
+
+    def __getattr__(self, name):
+        return getattr(self._rollout, name)
+
+    def generate(self, prompts, sampling):
+        from dataclasses import replace
+
+        completions = self._rollout.generate(prompts, sampling)
+        for completion in completions:
+            completion.samples[0] = replace(completion.samples[0], text=self.TEXT)
+        return completions
+
+
+def test_a_countdown_run_is_scored_by_the_countdown_scorer(loop_stack, tmp_path, monkeypatch):
     """Issue 33, part 4, end to end: questions whose data_source is `countdown` reach the verifier with it, which
     routes them to the built-in countdown scorer (TinyZero's scale: 1 right, 0.1 a wrong equation, 0 none), not to
     math-verify, whose verdict on any of them would be a wrong answer and reward_wrong (-1)."""
-    from rlep.services.cli.run import run_training
-    from rlep.services.verifier.countdown import countdown_rows
+    from dataclasses import replace
+
+    from rlep.services.launch.training import run_training
+    from rlep.services.verifier.countdown import FORMAT_SCORE, countdown_rows
 
     data = tmp_path / "countdown.parquet"
     pq.write_table(pa.Table.from_pylist(countdown_rows(8, seed=1)), data)
     config = train_config(tmp_path, data, replayed_per_question=0, overlong_buffer_tokens=0)
+    services = loop_stack.services
+    monkeypatch.setattr(loop_stack, "services", replace(services, rollout=WellFormedEquation(services.rollout)))
     [record] = run_training(config.model_copy(update={"steps": 1}), stack=loop_stack, show_progress=False)
     assert record.sequences == 16  # 4 questions x 4 fresh samples
-    assert 0.0 <= record.reward_mean <= 1.0  # every reward on countdown's scale; math-verify would give -1 each
+    # One wrong equation (0.1) and three answerless samples (0) per question; math-verify would give -1 each.
+    assert record.reward_mean == pytest.approx(4 * FORMAT_SCORE / 16)
+    assert record.fresh_accuracy == 0.0
 
 
 def test_a_lora_run_pushes_merged_weights_the_replicas_sample_from(loop_stack, tmp_path):
@@ -426,7 +432,7 @@ def test_a_lora_run_pushes_merged_weights_the_replicas_sample_from(loop_stack, t
     plain and differs from the start only in the adapted weights; the DeepSpeed state holds only the adapters."""
     from safetensors.torch import load_file
 
-    from rlep.services.cli.run import run_training
+    from rlep.services.launch.training import run_training
     from rlep.services.learner.config import LORA_TARGETS, LoraConfig
 
     arithmetic_parquet(tmp_path / "train.parquet", 8, seed=5)

@@ -11,12 +11,14 @@ report the reference's statistics.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from rlep.services.learner.batch import ExperienceBatch
+from tests.checkpoint_util import assert_same_tree, deepspeed_state
 from tests.learner_batches import synthetic_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -128,6 +130,35 @@ def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(up
     assert stats["lr"] == pytest.approx(LR)
 
 
+def test_the_update_clips_with_dapos_asymmetric_bounds(ray_local, model_dir, batch):
+    """clip_low 0.2 / clip_high 0.28 reach the update's loss the right way round: the ratio is clipped to
+    [0.8, 1.28]. Old logprobs are set so that, on the update's one mini-batch (before its optimizer step), the ratio
+    is 1.25 on the tokens of rows with A > 0 (inside 1 + 0.28: nothing clipped; swapped, 1 + 0.2 would clip them
+    all), then, on fresh logprobs, 0.75 on the tokens of rows with A < 0 (outside 1 - 0.2: every one clipped;
+    swapped, 1 - 0.28 would clip none). Every other token has ratio 1."""
+    policy = start_policy(model_dir, algorithm={"clip_low": 0.2, "clip_high": 0.28})
+    mask = batch.loss_mask.bool()
+    positive, negative = (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
+    assert positive.any() and negative.any()
+    try:
+        current = policy.logprobs(batch)
+        old = torch.where(positive, current - math.log(1.25), current)
+        higher = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
+        current = policy.logprobs(batch)  # the first update moved the weights
+        old = torch.where(negative, current - math.log(0.75), current)
+        lower = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
+    finally:
+        policy.close()
+    tokens = float(mask.sum())
+    assert higher["optimizer_steps"] == 1.0 and lower["optimizer_steps"] == 2.0  # one mini-batch each
+    # The old logprobs reached the loss: approx_kl is the mean of -log ratio over the response tokens.
+    assert higher["approx_kl"] == pytest.approx(-math.log(1.25) * float(positive.sum()) / tokens, abs=1e-5)
+    assert lower["approx_kl"] == pytest.approx(-math.log(0.75) * float(negative.sum()) / tokens, abs=1e-5)
+    assert higher["clip_fraction"] == 0.0
+    assert lower["clip_fraction"] == pytest.approx(float(negative.sum()) / tokens, rel=1e-6)
+    assert higher["clip_fraction_dual"] == lower["clip_fraction_dual"] == 0.0
+
+
 def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ray_local, model_dir, batch, tmp_path):
     """warmup_steps=4: training steps 0..4 run at lr/4, lr/2, 3lr/4, lr, lr with 1 or 4 mini-batches each."""
     mini_batches = [1, 4, 1, 4, 1]
@@ -144,6 +175,9 @@ def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ra
                 assert max(float((first[k] - initial[k]).abs().max()) for k in first) == pytest.approx(LR / 4, rel=0.05)
             if step == 1:
                 policy.save_checkpoint(tmp_path, "step_2", policy.rng_state())
+            if step == 2:  # what the resumed run must end on: weights and Adam's moments
+                third = policy.state_dict()
+                policy.save_checkpoint(tmp_path, "step_3", policy.rng_state())
     finally:
         policy.close()
     assert [s["lr"] for s in stats] == pytest.approx([LR / 4, LR / 2, 3 * LR / 4, LR, LR])
@@ -153,9 +187,19 @@ def test_warmup_counts_training_steps_whatever_their_mini_batches_and_resumes(ra
     try:
         resumed.load_checkpoint(tmp_path, "step_2")
         after = resumed.update(with_old, rows_per_mini_batch=batch.size)
+        resumed_weights = resumed.state_dict()
+        resumed.save_checkpoint(tmp_path, "resumed_3", resumed.rng_state())
     finally:
         resumed.close()
     assert after["lr"] == pytest.approx(3 * LR / 4) and after["optimizer_steps"] == 6
+    # The resumed step lands where the uninterrupted one did: same weights, same optimizer state. A resume that
+    # left Adam's moments behind would restart them at 0 and move every weight by ~lr instead.
+    assert after["loss"] == pytest.approx(stats[2]["loss"], rel=1e-5)
+    assert assert_same_tree(resumed_weights, third) == len(third)
+    (_, optimizer), (_, expected) = deepspeed_state(tmp_path / "resumed_3"), deepspeed_state(tmp_path / "step_3")
+    moments = {k: v for k, v in expected["optimizer_state_dict"]["base_optimizer_state"]["state"][0].items()}
+    assert {"exp_avg", "exp_avg_sq"} <= set(moments) and all(float(v.abs().max()) > 0 for v in moments.values())
+    assert assert_same_tree(optimizer["optimizer_state_dict"], expected["optimizer_state_dict"]) > 2
 
 
 def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir, batch, tmp_path):

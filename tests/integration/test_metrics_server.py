@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from rlep.common.auth import DUPLICATE
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.http_server import HEAD_TIMEOUT_S
 from rlep.common.metrics import MetricsServer, service_registry
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc

@@ -10,7 +10,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from rlep.common.dataset import question_id
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.services.replay.client import ReplayClient
 from tests.conftest import TEST_DATA
 from tests.service_process import rlep_command, start_service

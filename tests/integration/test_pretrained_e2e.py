@@ -117,8 +117,8 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
     from rlep.common.types import Verdict
     from rlep.services.learner.config import TrainConfig
     from rlep.services.learner.cursor import DataCursor, load_questions
-    from rlep.services.learner.generation import Gathered, ServiceClients, StepInputs, StepTimer
-    from rlep.services.learner.scoring import ReplayReport
+    from rlep.services.learner.scored_trajectories import ReplayReport
+    from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
     from rlep.services.learner.tokens import PolicyTokenizer
     from rlep.services.rollout.client import RolloutClient
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.config import ReplayConfig

@@ -5,11 +5,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.sampling import Strategy
+from rlep.services.replay.types import PoolNotFound
 
 pytestmark = pytest.mark.integration
 
@@ -251,6 +252,9 @@ def test_drop_needs_confirmation(replay_client, pool_name):
     assert pool_name not in replay_client.list_pools()
     code, _ = _abort_code(replay_client.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool_name))
     assert code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(PoolNotFound) as missing:  # the client's typed error, what the learner catches
+        replay_client.sample(pool_name, ["q"], m=1)
+    assert missing.value.args == (pool_name,)
 
 
 def test_wrong_token_is_unauthenticated(replay):
@@ -354,7 +358,7 @@ def test_a_client_with_an_outage_budget_rides_out_a_replay_restart(redis_url, au
                 retrying.set()
 
     handler = OnRetry()
-    logging.getLogger("rlep.common.grpc_utils").addHandler(handler)
+    logging.getLogger("rlep.common.grpc_retry").addHandler(handler)
     answer: list = []
     caller = threading.Thread(target=lambda: answer.append(patient.stats(pool_name)))
     try:
@@ -366,5 +370,5 @@ def test_a_client_with_an_outage_budget_rides_out_a_replay_restart(redis_url, au
         assert answer and answer[0].trajectories == 3
         second.stop()
     finally:
-        logging.getLogger("rlep.common.grpc_utils").removeHandler(handler)
+        logging.getLogger("rlep.common.grpc_retry").removeHandler(handler)
         patient.close()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.types import FinishReason
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.types import Sampling

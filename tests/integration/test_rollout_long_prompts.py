@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.types import FinishReason
 from rlep.services.rollout.types import Sampling
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.rollout.main import ENGINE_FAILED_EXIT_CODE
 from tests.conftest import free_port

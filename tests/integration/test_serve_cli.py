@@ -115,7 +115,7 @@ def call_with_token(address: str, token: str, method: str | None) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rlep.common.grpc_utils import make_channel
+    from rlep.common.grpc_channel import make_channel
 
     channel = make_channel(address, token)
     try:

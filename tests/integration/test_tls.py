@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import build_server, make_channel
+from rlep.common.grpc_channel import make_channel
+from rlep.common.grpc_server import build_server
 from rlep.common.lifecycle import start_metrics
 from rlep.common.metrics import service_registry
 from rlep.common.tls import CA_FILE_ENV, SERVER_NAME_ENV, server_ssl_context
@@ -111,7 +112,7 @@ def test_tls_files_go_in_pairs_and_must_exist(tmp_path):
 
 def test_the_learners_metrics_serve_tls_when_configured(tmp_path):
     from rlep.common.config import TlsFiles
-    from rlep.services.cli.run import _start_metrics
+    from rlep.services.launch.training import _start_metrics
     from rlep.services.learner.config import TrainConfig
 
     cert_file, key_file = self_signed(tmp_path)

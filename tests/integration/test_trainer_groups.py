@@ -21,7 +21,7 @@ from rlep.common.dataset import Question
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.generation import ServiceClients
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
 from rlep.services.rollout.client import PushResult, ReplicaTarget

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
 from rlep.services.verifier.pool import WINDOW

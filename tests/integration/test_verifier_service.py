@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from rlep.common.grpc_utils import make_channel
+from rlep.common.grpc_channel import make_channel
 from rlep.common.types import Verdict
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.conftest import TEST_DATA, read_jsonl

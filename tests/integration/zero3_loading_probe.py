@@ -21,7 +21,7 @@ def main(model_dir: Path, stage: int) -> None:
 
     init_distributed(0, 1, "127.0.0.1", free_port())
     config = TrainConfig.model_validate({"deepspeed": {"zero_stage": stage}})
-    model = load_model(model_dir, config, deepspeed_config(config, 1))
+    model = load_model(model_dir, config.deepspeed, deepspeed_config(config.optim, config.deepspeed, 1))
     params = dict(model.named_parameters())
     partitioned = [hasattr(p, "ds_id") and p.data.numel() == 0 for p in params.values()]
     saved = load_file(model_dir / "model.safetensors")

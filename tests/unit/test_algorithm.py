@@ -7,6 +7,7 @@ import torch
 
 from rlep.common.types import Group, Source, Trajectory
 from rlep.services.learner.algorithm import (
+    LossSettings,
     NonFiniteError,
     flatten_groups,
     group_advantages,
@@ -120,7 +121,7 @@ def test_policy_loss_hand_computed_token_mean_and_gradients():
 )
 def test_policy_loss_sequence_aggregations(agg, expected):
     new, old, adv, mask = _loss_inputs()
-    loss, _ = policy_loss(new, old, adv, mask, agg=agg)
+    loss, _ = policy_loss(new, old, adv, mask, LossSettings(agg=agg))
     assert loss.item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -132,7 +133,7 @@ def test_policy_loss_ratio_is_clamped_like_verl():
 def test_policy_loss_empty_mask_is_zero_with_zero_gradient():
     new = torch.randn(3, 5, requires_grad=True)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        loss, metrics = policy_loss(new, torch.zeros(3, 5), torch.ones(3), torch.zeros(3, 5), agg=agg)
+        loss, metrics = policy_loss(new, torch.zeros(3, 5), torch.ones(3), torch.zeros(3, 5), LossSettings(agg=agg))
         loss.backward()
         assert loss.item() == 0.0 and torch.count_nonzero(new.grad) == 0
         assert all(math.isfinite(v) for v in metrics.values())
@@ -143,7 +144,9 @@ def test_policy_loss_rejects_bad_shapes_and_agg():
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="agg"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), agg="mean")
+        LossSettings(agg="mean")
+    with pytest.raises(ValueError, match="clip_c"):
+        LossSettings(clip_c=1.0)
 
 
 def _random_batch(seed: int):

@@ -1,6 +1,7 @@
-"""The import contract of docs/architecture.md: layers only point down, and a service uses another
-only through its public modules. Every `import` of every module is checked (also those inside
-functions, where the heavy ones are), so an upward import fails here, in CI, with the line that made it.
+"""The import contract of docs/architecture.md: layers only point down, a service uses another only through
+its public modules, only the launch room (and the command line) wires services from their `main`/`ray_app`,
+and no modules import each other in a circle. Every `import` of every module is checked (also those inside
+functions, where the heavy ones are), so a breach fails here, in CI, with the line that made it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("weight transport", ["rlep.services.weights"]),
     ("services", ["rlep.services.verifier", "rlep.services.replay", "rlep.services.rollout"]),
     ("learner and eval", ["rlep.services.learner", "rlep.services.eval"]),
-    ("command line", ["rlep.services.cli", "rlep.services.demo"]),
+    ("launch", ["rlep.services.launch"]),
+    ("demo", ["rlep.services.demo"]),
+    ("command line", ["rlep.services.cli"]),
 ]
-# What one service may import of another (below the command line, which wires them all together):
-# its typed client, the plain data that client takes and returns, and the config a caller gives it.
+SERVICES_LAYER, LAUNCH_LAYER = ([name for name, _ in LAYERS].index(layer) for layer in ("services", "launch"))
+# What one service may import of another (below the launch room, which wires them together, and what
+# runs jobs through it): its typed client, the plain data that client takes and returns, and the config a
+# caller gives it.
 PUBLIC_MODULES = ("client", "types", "config")
+# A service's wiring: `main` (config -> build -> serve) and its Ray Serve app. Only the launch room starts
+# services from them; the command line too, for `rlep serve <svc>` and `rlep doctor`'s replica check.
+WIRING_MODULES = ("main", "ray_app")
+WIRING_PACKAGES = ("rlep.services.launch", "rlep.services.cli")
 
 
 def package_of(module: str) -> tuple[int, str] | None:
@@ -42,13 +51,16 @@ def violation(importer: str, imported: str) -> str | None:
     source, target = package_of(importer), package_of(imported)
     if source is None or target is None or source[1] == target[1]:
         return None
-    (source_layer, _), (target_layer, package) = source, target
+    (source_layer, importer_package), (target_layer, package) = source, target
     if target_layer > source_layer:
         return f"upward: layer {LAYERS[source_layer][0]!r} imports layer {LAYERS[target_layer][0]!r}"
-    if target_layer >= LAYERS.index(LAYERS[3]) and source_layer < len(LAYERS) - 1:
-        rest = imported.removeprefix(package + ".")
-        if imported == package or rest.split(".")[0] not in PUBLIC_MODULES:
-            return f"{package} is used only through {', '.join(PUBLIC_MODULES)}"
+    if target_layer < SERVICES_LAYER:
+        return None
+    room = "" if imported == package else imported.removeprefix(package + ".").split(".")[0]
+    if room in WIRING_MODULES and importer_package not in WIRING_PACKAGES:
+        return f"{package}.{room} wires a service: only {' and '.join(WIRING_PACKAGES)} import it"
+    if source_layer < LAUNCH_LAYER and room not in PUBLIC_MODULES:
+        return f"{package} is used only through {', '.join(PUBLIC_MODULES)}"
     return None
 
 
@@ -92,8 +104,102 @@ def contract_breaches(modules: dict[str, Path]) -> list[str]:
     return breaches
 
 
+def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """Module -> {module of the package it imports: the first line that does}; an imported name (`from m import f`)
+    counts as its module, a module's own name is left out."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, {})
+        for line, imported in imports_of(module, path):
+            target = imported
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges.setdefault(target, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every group of modules that import each other in a circle (strongly connected components, Tarjan's
+    algorithm), each as one circle through it: [a, b, ..., a]."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, {}):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = {stack.pop()}
+            while module not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return [_circle_through(graph, group) for group in groups]
+
+
+def _circle_through(graph: dict[str, dict[str, int]], group: set[str]) -> list[str]:
+    """A shortest circle from the group's first module back to it, inside the group (breadth first)."""
+    start = min(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph[module]):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if target in group and target not in came_from:
+                    came_from[target] = module
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"no circle through {start} in {sorted(group)}")
+
+
+def described(graph: dict[str, dict[str, int]], modules: dict[str, Path], circle: list[str]) -> str:
+    """`a (file:line) -> b (file:line) -> a`: each step with the line of the import that makes it."""
+    steps = [f"{a} ({modules[a]}:{graph[a][b]})" for a, b in zip(circle, circle[1:], strict=False)]
+    return " -> ".join([*steps, circle[-1]])
+
+
 def test_every_import_follows_the_layers():
     assert contract_breaches(source_modules()) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """A circle (even through an import inside a function) makes the modules one room in all but name: neither can
+    be read, tested or moved without the other, and the import order decides which half-built module the other
+    sees."""
+    modules = source_modules()
+    graph = import_graph(modules)
+    assert [described(graph, modules, circle) for circle in import_cycles(graph)] == []
+
+
+def test_the_demo_never_imports_the_command_line():
+    """The demo runs its jobs through the launch room; the command line may import the demo, never the reverse."""
+    modules = source_modules()
+    demo = {m: p for m, p in modules.items() if m.startswith("rlep.services.demo")}
+    assert demo
+    assert [
+        f"{path}:{line}: {imported}"
+        for module, path in demo.items()
+        for line, imported in imports_of(module, path)
+        if imported.startswith("rlep.services.cli")
+    ] == []
 
 
 def test_every_source_module_is_in_a_layer():
@@ -109,7 +215,16 @@ def test_every_source_module_is_in_a_layer():
         ("rlep.common.config", "rlep.services.replay.client", "upward"),
         ("rlep.services.weights.payload", "rlep.services.rollout.types", "upward"),
         ("rlep.services.rollout.server", "rlep.services.learner.trainer", "upward"),
-        ("rlep.services.learner.trainer", "rlep.services.cli.stack", "upward"),
+        ("rlep.services.learner.trainer", "rlep.services.launch.stack", "upward"),
+        ("rlep.services.learner.trainer", "rlep.services.launch", "upward"),
+        ("rlep.services.demo.runner", "rlep.services.cli.errors", "upward"),
+        ("rlep.services.demo.runner", "rlep.services.cli", "upward"),
+        ("rlep.services.launch.training", "rlep.services.demo.runner", "upward"),
+        ("rlep.services.launch.stack", "rlep.services.cli.app", "upward"),
+        ("rlep.services.eval.runner", "rlep.services.rollout.main", "wires a service"),
+        ("rlep.services.learner.trainer", "rlep.services.rollout.ray_app", "wires a service"),
+        ("rlep.services.demo.runner", "rlep.services.verifier.main", "wires a service"),
+        ("rlep.services.demo.runner", "rlep.services.eval.ray_app", "wires a service"),
         ("rlep.common.v1.trajectory_pb2", "rlep.common.files", "upward"),
         ("rlep.services.learner.trainer", "rlep.services.rollout.engine", "only through"),
         ("rlep.services.eval.runner", "rlep.services.verifier.judge", "only through"),
@@ -126,7 +241,14 @@ def test_the_contract_refuses(importer, imported, reason):
         ("rlep.services.learner.trainer", "rlep.services.rollout.client"),
         ("rlep.services.eval.api", "rlep.services.rollout.types"),
         ("rlep.services.learner.policy", "rlep.services.weights.broadcast"),
-        ("rlep.services.cli.stack", "rlep.services.verifier.main"),
+        ("rlep.services.launch.stack", "rlep.services.verifier.main"),
+        ("rlep.services.launch.stack", "rlep.services.rollout.ray_app"),
+        ("rlep.services.launch.training", "rlep.services.learner.trainer"),
+        ("rlep.services.demo.runner", "rlep.services.launch.training"),
+        ("rlep.services.demo.runner", "rlep.services.learner.cursor"),
+        ("rlep.services.cli.train", "rlep.services.demo.runner"),
+        ("rlep.services.cli.doctor_workers", "rlep.services.rollout.main"),
+        ("rlep.services.rollout.server", "rlep.services.rollout.main"),  # its own package
         ("rlep.services.replay.server", "rlep.replay.v1.replay_pb2"),
         ("rlep.common.wire", "rlep.common.v1.trajectory_pb2"),
     ],
@@ -141,3 +263,18 @@ def test_an_upward_import_in_a_file_is_found(tmp_path):
     bad.write_text("import os\n\n\ndef f():\n    from rlep.services.replay.client import ReplayClient\n")
     [breach] = contract_breaches({"rlep.common.bad": bad})
     assert breach.startswith(f"{bad}:5: rlep.common.bad imports rlep.services.replay.client.ReplayClient (upward")
+
+
+def test_a_lazy_circle_in_files_is_found(tmp_path):
+    """File to breach: two modules that import each other, one of them inside a function, form a circle."""
+    (a := tmp_path / "a.py").write_text("from rlep.common import b\n\n\ndef f():\n    return b.g()\n")
+    (b := tmp_path / "b.py").write_text("def g():\n    from rlep.common.a import f\n\n    return f\n")
+    (c := tmp_path / "c.py").write_text("import rlep.common.a\n")  # imports the circle, is not in it
+    modules = {"rlep.common.a": a, "rlep.common.b": b, "rlep.common.c": c}
+    graph = import_graph(modules)
+    assert import_cycles(graph) == [["rlep.common.a", "rlep.common.b", "rlep.common.a"]]
+    assert described(graph, modules, ["rlep.common.a", "rlep.common.b", "rlep.common.a"]) == (
+        f"rlep.common.a ({a}:1) -> rlep.common.b ({b}:2) -> rlep.common.a"
+    )
+    b.write_text("def g():\n    return 1\n")
+    assert import_cycles(import_graph(modules)) == []

@@ -16,7 +16,7 @@ def started_rollout_config(monkeypatch, model_dir: Path):
 
     import rlep.services.rollout.ray_app as ray_app
     import rlep.services.rollout.registry as registry
-    from rlep.services.cli.stack import ServiceStack
+    from rlep.services.launch.stack import ServiceStack
     from rlep.services.learner.config import TrainConfig
 
     built = []

@@ -48,7 +48,7 @@ def test_a_pool_command_quiets_retry_warnings_only_while_it_runs():
     silence those for good (it did: the outage test of the replay client then saw no retry)."""
     import logging
 
-    retries = logging.getLogger("rlep.common.grpc_utils")
+    retries = logging.getLogger("rlep.common.grpc_retry")
     before = retries.level
     refused(["pool", "list", "-a", f"127.0.0.1:{free_port()}"], "replay service")
     assert retries.level == before

@@ -180,7 +180,7 @@ def test_cli_resumes_its_own_state_file_and_refuses_another_runs(tmp_path, monke
     def init_ray(*args):
         raise ServicesStarted
 
-    monkeypatch.setattr("rlep.common.ray_local.init_ray", init_ray)
+    monkeypatch.setattr("rlep.services.launch.collection.init_ray", init_ray)
     args = ["collect", "--model", str(ckpt), "--data", str(data), "--pool", "p", "--state-file", str(state)]
     same = CliRunner().invoke(app, args)
     assert isinstance(same.exception, ServicesStarted) and "1 chunks done: resuming" in same.output

@@ -27,18 +27,50 @@ def test_serve_config_passes_rays_schema_and_names_every_service():
 
 def test_every_import_path_is_an_app_builder_that_accepts_its_args():
     from rlep.services.eval.config import EvalConfig
+    from rlep.services.eval.ray_app import EvalReplica
     from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import RolloutReplica
     from rlep.services.verifier.config import VerifierConfig
+    from rlep.services.verifier.ray_app import VerifierReplica
 
     classes = {"rlep-rollout": RolloutConfig, "rlep-verifier": VerifierConfig, "rlep-eval": EvalConfig}
+    # (deployment, replicas, CPUs per replica) as serve.yaml asks: one replica each, the verifier's reserving a CPU
+    # per verify worker (num_workers: 2).
+    expected = {
+        "rlep-rollout": (RolloutReplica, 1, 1),
+        "rlep-verifier": (VerifierReplica, 1, 2),
+        "rlep-eval": (EvalReplica, 1, 1),
+    }
     for app in load_serve_config().applications:
-        module, attr = app.import_path.split(":")
-        builder = getattr(importlib.import_module(module), attr)
         # Building binds the deployment graph without starting Ray: a bad config raises here.
-        built = builder(app.args)
-        assert built is not None, app.name
+        bound = builder_of(app)(app.args)._bound_deployment
+        deployment, replicas, cpus = expected[app.name]
+        assert bound.func_or_class is deployment.func_or_class and bound.name == deployment.name, app.name
+        assert bound._deployment_config.num_replicas == replicas, app.name
+        assert bound._replica_config.ray_actor_options["num_cpus"] == cpus, app.name
         if app.name != "rlep-eval":  # eval's rollout addresses come from the registry at replica start
             classes[app.name].model_validate(app.args["config"])
+            assert_within(app.args["config"], bound.init_args[0], app.name)  # every setting serve.yaml gives
+    # Eval's replica gets serve.yaml's config with a placeholder for the rollout addresses, and the app to look up.
+    [eval_app] = [app for app in load_serve_config().applications if app.name == "rlep-eval"]
+    eval_config, rollout_app = builder_of(eval_app)(eval_app.args)._bound_deployment.init_args
+    assert eval_config == {**eval_app.args["config"], "rollout": {"addresses": ["registry:0"]}}
+    assert rollout_app == "rlep-rollout"
+    EvalConfig.model_validate(eval_config)
+
+
+def assert_within(given: dict, passed: dict, path: str) -> None:
+    """Every value set in `given` reaches `passed` unchanged (which may hold defaults besides)."""
+    for key, value in given.items():
+        if isinstance(value, dict):
+            assert_within(value, passed[key], f"{path}.{key}")
+        else:
+            assert passed[key] == value, f"{path}.{key}"
+
+
+def builder_of(app):
+    module, attr = app.import_path.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def test_eval_reads_rollout_addresses_from_the_rollout_apps_registry():

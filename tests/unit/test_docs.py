@@ -4,6 +4,8 @@ arguments exist, required ones are given), without running it."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
 import re
 import shlex
 from pathlib import Path
@@ -97,6 +99,86 @@ def test_architecture_names_every_package_module():
     modules = [m for pkg in [*packages, REPO / "rlep_common"] for m in pkg.glob("*.py") if m.stem != "__init__"]
     assert len(modules) > 80
     assert not [str(m.relative_to(REPO)) for m in modules if m.stem not in named]
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+RLEP_NAME = re.compile(r"\brlep(?:\.[\w<>]+)+")
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:proto|rlep_common|services|configs|deploy|benchmarks|experiments|tests|docs)/[\w./{},<>-]*)"
+)
+
+
+def expanded(name: str) -> list[str]:
+    """`tests/{unit,e2e}` as `tests/unit`, `tests/e2e`; a placeholder (`<svc>`) as the glob `*`."""
+    name = re.sub(r"<\w+>", "*", name)
+    if match := re.search(r"\{([^{}]*)\}", name):
+        return [n for part in match.group(1).split(",") for n in expanded(name.replace(match.group(0), part, 1))]
+    return [name]
+
+
+def missing_rlep_names(text: str, modules: dict[str, Path]) -> list[str]:
+    """`rlep....` names in `text` that are neither a module of the package nor a top-level name of one
+    (`rlep.common.config.CONFIG_DIR`); a placeholder (`rlep.<svc>.v1`) needs one module to match it."""
+    missing = []
+    for name in sorted(set(RLEP_NAME.findall(text))):
+        pattern = expanded(name.rstrip("."))[0]
+        if "*" in pattern:
+            found = any(fnmatch.fnmatchcase(m, pattern) for m in modules)
+        else:
+            module, _, attribute = pattern.rpartition(".")
+            found = pattern in modules or (
+                module in modules and attribute in top_level_names(ast.parse(modules[module].read_text()))
+            )
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def missing_repo_paths(text: str, root: Path) -> list[str]:
+    """Repository paths in `text` (under a top-level folder) that do not exist; a placeholder needs one match."""
+    return [
+        path
+        for name in sorted(set(REPO_PATH.findall(text)))
+        for path in expanded(name.rstrip(".,"))
+        if not next(iter(root.glob(path.rstrip("/"))), None)
+    ]
+
+
+def test_every_module_and_path_the_architecture_page_names_exists():
+    """A stale name on the map (a module moved, a folder renamed) fails here."""
+    from tests.unit.test_architecture import source_modules
+
+    text = ARCHITECTURE.read_text()
+    assert len(RLEP_NAME.findall(text)) > 10 and len(REPO_PATH.findall(text)) > 10
+    assert missing_rlep_names(text, source_modules()) == []
+    assert missing_repo_paths(text, REPO) == []
+
+
+def test_the_name_checks_catch_stale_names(tmp_path):
+    from tests.unit.test_architecture import source_modules
+
+    modules = source_modules()
+    text = "`rlep.services.launch.stack` `rlep.common.config.CONFIG_DIR` `rlep.<svc>.v1` `rlep.services.cli.stack`"
+    assert missing_rlep_names(text + " `rlep.common.config.NO_SUCH`", modules) == [
+        "rlep.common.config.NO_SUCH",
+        "rlep.services.cli.stack",
+    ]
+    assert missing_rlep_names("`rlep.<svc>.v9`", modules) == ["rlep.<svc>.v9"]
+    (tmp_path / "services" / "replay").mkdir(parents=True)
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    text = "services/<svc>/ and tests/{unit,gpu} and `benchmarks/x.py`."
+    assert missing_repo_paths(text, tmp_path) == ["benchmarks/x.py", "tests/gpu"]
 
 
 def test_the_ports_table_is_what_code_configs_compose_and_chart_use():

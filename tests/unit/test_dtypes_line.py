@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from rlep.services.cli.run import dtypes_line
+from rlep.services.launch.training import dtypes_line
 
 
 def test_a_bfloat16_replica_beside_a_float32_learner_is_a_warning_naming_the_fix():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlep.common.grpc_utils import call_with_retry
+from rlep.common.grpc_retry import call_with_retry
 
 
 class Failure(grpc.RpcError):

@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_utils import StatusCountInterceptor, add_validated_servicer, build_server, make_channel
+from rlep.common.grpc_channel import make_channel
+from rlep.common.grpc_interceptors import StatusCountInterceptor
+from rlep.common.grpc_server import add_validated_servicer, build_server
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 
 SERVICE = replay_pb2.DESCRIPTOR.services_by_name["ReplayBuffer"]

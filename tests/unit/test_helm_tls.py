@@ -20,11 +20,26 @@ def docs() -> list[dict]:
 
 
 def test_tls_manifests_validate(docs):
+    """Every manifest Kubernetes knows validates, and those are the TLS-shaped ones: each rlep workload validated
+    mounts Secret `rlep-tls` read-only at the TLS directory (Redis speaks no TLS; Ray's CRDs are not validated)."""
     import kubernetes_validate
 
+    workloads = {}
     for doc in docs:
         if doc["kind"] not in ("RayService", "ServiceMonitor"):
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            if doc["kind"] in ("Deployment", "Job", "StatefulSet"):
+                workloads[doc["metadata"]["name"].removeprefix("rlep-").split("-")[0]] = doc["spec"]["template"]
+    assert sorted(workloads) == ["eval", "learner", "redis", "replay", "verifier"]
+    for name, template in workloads.items():
+        spec = template["spec"]
+        tls_volumes = [v for v in spec.get("volumes", []) if v["name"] == "tls"]
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] == "tls"]
+        if name == "redis":
+            assert tls_volumes == [] and mounts == []
+            continue
+        assert tls_volumes == [{"name": "tls", "secret": {"secretName": "rlep-tls"}}], name
+        assert mounts == [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}], name
 
 
 def test_servers_read_the_certificate_the_pods_mount(docs, tmp_path):

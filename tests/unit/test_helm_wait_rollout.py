@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from rlep.common.grpc_utils import BearerAuthInterceptor
+from rlep.common.grpc_interceptors import BearerAuthInterceptor
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.conftest import free_port
 from tests.unit.test_helm_chart import CHART, load_wait_rollout
@@ -122,9 +122,15 @@ def test_gate_counts_only_pods_whose_replica_answers_with_the_token(servers):
     def starts_broken():
         second.failure = "engine died"
         servers.append(serve(f"{POD_IPS[1]}:{port}", second))
-        # gRPC waits 1 s (its first reconnect backoff) before dialling an address that refused; the gate's 5 s
-        # between looks cover it.
-        time.sleep(1.5)
+        # gRPC waits up to 1 s (its first reconnect backoff) before dialling again an address that refused; the
+        # gate's 5 s between looks cover it. Here: the gate's own check, repeated until it reaches the new server,
+        # then only the gate's next look is counted.
+        deadline = time.monotonic() + 30.0
+        while second.calls == 0:
+            assert time.monotonic() < deadline, "the second server never answered a check"
+            gate.check_replicas([f"{POD_IPS[1]}:{port}"], TOKEN)
+            time.sleep(0.05)
+        second.calls = 0
 
     def recovers():
         assert second.calls == 1, "the look after the second server started did not reach it"

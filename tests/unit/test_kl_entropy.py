@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlep.services.learner.algorithm import group_advantages, kl_estimate, policy_loss
+from rlep.services.learner.algorithm import LossSettings, group_advantages, kl_estimate, policy_loss
 from rlep.services.learner.batch import ExperienceBatch, with_kl_reward_penalty
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # 5 tokens count
@@ -29,7 +29,7 @@ def test_zero_coefficients_leave_the_loss_and_its_gradient_bit_identical():
     plain, _ = policy_loss(logprobs, old, advantages, MASK)
     (plain_grad,) = torch.autograd.grad(plain, logprobs)
     with_terms, stats = policy_loss(
-        logprobs, old, advantages, MASK, ref_logprobs=ref, kl_coef=0.0, entropy=entropy, entropy_coef=0.0
+        logprobs, old, advantages, MASK, LossSettings(kl_coef=0.0, entropy_coef=0.0), ref_logprobs=ref, entropy=entropy
     )
     (terms_grad,) = torch.autograd.grad(with_terms, logprobs)
     assert torch.equal(plain, with_terms) and torch.equal(plain_grad, terms_grad)
@@ -49,7 +49,7 @@ def test_the_kl_term_and_its_gradient_match_a_hand_computation(estimator, value,
     coef = 0.3
     # Zero advantages: the policy-gradient part is 0 with a zero gradient, what is left is the KL term alone.
     loss, stats = policy_loss(
-        logprobs, old, torch.zeros(2), MASK, ref_logprobs=ref, kl_coef=coef, kl_estimator=estimator
+        logprobs, old, torch.zeros(2), MASK, LossSettings(kl_coef=coef, kl_estimator=estimator), ref_logprobs=ref
     )
     (grad,) = torch.autograd.grad(loss, logprobs)
     d = (logprobs - ref).detach()
@@ -65,7 +65,7 @@ def test_the_kl_term_and_its_gradient_match_a_hand_computation(estimator, value,
 
 def test_the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_entropy():
     logprobs, old, _, entropy = inputs(2)
-    loss, _ = policy_loss(logprobs, old, torch.zeros(2), MASK, entropy=entropy, entropy_coef=0.01)
+    loss, _ = policy_loss(logprobs, old, torch.zeros(2), MASK, LossSettings(entropy_coef=0.01), entropy=entropy)
     (grad,) = torch.autograd.grad(loss, entropy)
     assert float(loss.detach()) == pytest.approx(-0.01 * float((entropy * MASK).sum()) / 5)
     torch.testing.assert_close(grad, -0.01 * MASK / 5)
@@ -74,9 +74,9 @@ def test_the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_ent
 def test_a_term_switched_on_without_its_input_is_refused():
     logprobs, old, _, _ = inputs()
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        policy_loss(logprobs, old, torch.zeros(2), MASK, kl_coef=0.1)
+        policy_loss(logprobs, old, torch.zeros(2), MASK, LossSettings(kl_coef=0.1))
     with pytest.raises(ValueError, match="needs the entropy"):
-        policy_loss(logprobs, old, torch.zeros(2), MASK, entropy_coef=0.1)
+        policy_loss(logprobs, old, torch.zeros(2), MASK, LossSettings(entropy_coef=0.1))
 
 
 def test_the_kl_reward_penalty_takes_each_rows_summed_kl_before_normalising():

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from rlep.common.types import Group, Source, Trajectory
-from rlep.services.learner.algorithm import aggregate_loss, behavior_weights, policy_loss
+from rlep.services.learner.algorithm import LossSettings, aggregate_loss, policy_loss
 from rlep.services.learner.batch import build_batch, token_scores
+from rlep.services.learner.mismatch import correction_weights
 
 META = torch.device("meta")
 
@@ -50,9 +51,9 @@ def test_the_loss_and_its_statistics_stay_on_the_device(agg):
     shape = (3, 5)
     new = torch.zeros(shape, device=META, requires_grad=True)
     old, mask = torch.zeros(shape, device=META), torch.ones(shape, device=META)
-    weights = behavior_weights(old, torch.zeros(shape, device=META), cap=2.0)
+    weights = correction_weights("truncated_is", old, torch.zeros(shape, device=META), cap=2.0)
     loss, stats = policy_loss(
-        new, old, torch.ones(3, device=META), mask, agg=agg, normalizer=7.0, token_weights=weights
+        new, old, torch.ones(3, device=META), mask, LossSettings(agg=agg), normalizer=7.0, token_weights=weights
     )
     assert loss.device == META and weights.device == META
     assert all(v.device == META for v in stats.values())

@@ -54,11 +54,11 @@ def test_adam_deepspeed_without_its_op_fails_naming_the_op():
 
 
 def test_torch_adams_reach_torch_through_deepspeeds_config():
-    config = TrainConfig()
-    fused = deepspeed_config(config, 1, "torch_fused")["optimizer"]["params"]
+    optim, ds = TrainConfig().optim, TrainConfig().deepspeed
+    fused = deepspeed_config(optim, ds, 1, "torch_fused")["optimizer"]["params"]
     assert fused["torch_adam"] is True and fused["fused"] is True
-    assert "fused" not in deepspeed_config(config, 1, "torch")["optimizer"]["params"]
-    assert "torch_adam" not in deepspeed_config(config, 1, "deepspeed_fused")["optimizer"]["params"]
+    assert "fused" not in deepspeed_config(optim, ds, 1, "torch")["optimizer"]["params"]
+    assert "torch_adam" not in deepspeed_config(optim, ds, 1, "deepspeed_fused")["optimizer"]["params"]
 
 
 def test_learner_gpus_refuses_ranks_sharing_a_gpu():
@@ -74,9 +74,9 @@ def test_learner_gpus_follow_the_cluster():
     from rlep.services.learner.ray_policy import learner_gpus
 
     four = TrainConfig.model_validate({"deepspeed": {"num_processes": 4}})
-    assert learner_gpus(four, cluster_gpus=8.0) == 1.0  # the driver may run on a CPU-only head node
-    assert learner_gpus(TrainConfig(), cluster_gpus=0.0) == 0.0
-    assert learner_gpus(TrainConfig.model_validate({"local": {"learner_gpus": 0.5}}), cluster_gpus=8.0) == 0.5
+    assert learner_gpus(four.local, cluster_gpus=8.0) == 1.0  # the driver may run on a CPU-only head node
+    assert learner_gpus(TrainConfig().local, cluster_gpus=0.0) == 0.0
+    assert learner_gpus(TrainConfig.model_validate({"local": {"learner_gpus": 0.5}}).local, cluster_gpus=8.0) == 0.5
 
 
 def test_replicas_ask_for_their_tensor_parallel_gpus_and_a_run_that_does_not_fit_is_refused():
@@ -89,11 +89,12 @@ def test_replicas_ask_for_their_tensor_parallel_gpus_and_a_run_that_does_not_fit
             "local": {"rollout_replicas": 2, "rollout_engine": {"tensor_parallel_size": 2}},
         }
     )
-    assert rollout_gpus(paper, cluster_gpus=8.0) == 2.0 and rollout_gpus(paper, cluster_gpus=0.0) == 0.0
-    check_gpus_fit(paper, cluster_gpus=8.0, start_rollout=True)  # 2 x 2 + 4 x 1: one 8-GPU node
+    assert rollout_gpus(paper.local, cluster_gpus=8.0) == 2.0 and rollout_gpus(paper.local, cluster_gpus=0.0) == 0.0
+    check_gpus_fit(paper.local, 4, cluster_gpus=8.0, start_rollout=True)  # 2 x 2 + 4 x 1: one 8-GPU node
     with pytest.raises(ValueError, match=r"needs 8 GPUs \(rollout 2 x 2, learner 4 x 1\) .* has 6"):
-        check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=True)
-    check_gpus_fit(paper, cluster_gpus=6.0, start_rollout=False)  # replicas elsewhere: the learner's 4 fit
+        check_gpus_fit(paper.local, 4, cluster_gpus=6.0, start_rollout=True)
+    check_gpus_fit(paper.local, 4, cluster_gpus=6.0, start_rollout=False)  # replicas elsewhere: the learner's 4 fit
     with pytest.raises(ValueError, match=r"needs 4 GPUs \(learner 4 x 1\) .* has 2"):  # RayPolicy's own check
-        check_gpus_fit(paper, cluster_gpus=2.0, start_rollout=False)
-    check_gpus_fit(TrainConfig(), cluster_gpus=0.0, start_rollout=True)  # CPUs only: nothing asked, nothing refused
+        check_gpus_fit(paper.local, 4, cluster_gpus=2.0, start_rollout=False)
+    # CPUs only: nothing asked, nothing refused.
+    check_gpus_fit(TrainConfig().local, 1, cluster_gpus=0.0, start_rollout=True)

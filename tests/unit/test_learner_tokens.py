@@ -7,7 +7,7 @@ import pytest
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict
 from rlep.services.learner.config import AlgorithmConfig
-from rlep.services.learner.scoring import ReplayReport, group_varies, prepare_replayed, score_replayed
+from rlep.services.learner.scored_trajectories import ReplayReport, group_varies, prepare_replayed, score_replayed
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer, tokenizer_fingerprint
 
 SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep.services.learner.algorithm import LOSS_AGGREGATIONS, aggregate_loss, mini_batch_normalizer, policy_loss
+from rlep.services.learner.algorithm import (
+    LOSS_AGGREGATIONS,
+    LossSettings,
+    aggregate_loss,
+    mini_batch_normalizer,
+    policy_loss,
+)
 
 ROWS, LENGTH, FEATURES = 10, 7, 4
 
@@ -41,7 +47,7 @@ def _mini_batch(seed: int = 0):
 def _loss(policy, rows, agg, normalizer, batch):
     features, old, advantages, mask = batch
     loss, _ = policy_loss(
-        policy(features[rows]), old[rows], advantages[rows], mask[rows], agg=agg, normalizer=normalizer
+        policy(features[rows]), old[rows], advantages[rows], mask[rows], LossSettings(agg=agg), normalizer=normalizer
     )
     return loss
 

@@ -87,3 +87,19 @@ def test_each_correction_matches_a_hand_computation():
     torch.testing.assert_close(correction_weights("seq_masked_is", *leaning, cap=3.0), torch.ones(1, 2))
     with pytest.raises(ValueError, match="unknown correction"):
         correction_weights("none", old, sampler, cap=2.0)
+
+
+def test_seq_masked_is_takes_the_geometric_mean_over_the_sampled_tokens_only():
+    from rlep.services.learner.mismatch import correction_weights
+
+    # A prompt position and a padding position (no sampler logprob) around two sampled tokens. Log ratios of the
+    # sampled tokens: -1 - (-2) = +1 each, sum 2. Geometric mean over the 2 sampled tokens: 2 / 2 = 1 > log 2 (0.69):
+    # the sequence leaves [1/2, 2] and its sampled tokens get 0, the unsampled ones keep 1. Averaged over the row's
+    # 4 positions instead, it would be 2 / 4 = 0.5 < log 2 and the sequence would wrongly be kept.
+    old = torch.tensor([[-5.0, -1.0, -1.0, -5.0]])
+    sampler = torch.tensor([[NAN, -2.0, -2.0, NAN]])
+    torch.testing.assert_close(
+        correction_weights("seq_masked_is", old, sampler, cap=2.0), torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    )
+    # And with a wider band (log 3 = 1.10 > 1) the same sequence is kept whole.
+    torch.testing.assert_close(correction_weights("seq_masked_is", old, sampler, cap=3.0), torch.ones(1, 4))

@@ -10,8 +10,8 @@ import torch
 from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
 from rlep.services.learner.algorithm import policy_loss
-from rlep.services.learner.generation import Gathered
 from rlep.services.learner.overlap import Staleness, drop_stale_groups, fresh_staleness
+from rlep.services.learner.step_inputs import Gathered
 
 
 def _groups(versions: list[list[int]]) -> Gathered:
@@ -54,11 +54,11 @@ def test_truncated_is_weights_a_stale_token_by_its_ratio_to_the_sampler():
     """The same token with `truncated_is`: pi_old / pi_sampler = 0.5 / 0.1 = 5, truncated at the cap 2, scales the
     on-policy gradient; a token the sampler over-weighted (0.5 vs 0.8 now) is down-weighted by 0.625; a token with
     no sampler logprob (a replayed row, NaN) keeps weight 1."""
-    from rlep.services.learner.algorithm import behavior_weights
+    from rlep.services.learner.mismatch import correction_weights
 
     learner = torch.tensor([[math.log(0.5), math.log(0.5), math.log(0.5)]], requires_grad=True)
     sampler = torch.tensor([[math.log(0.1), math.log(0.8), float("nan")]])
-    weights = behavior_weights(learner.detach(), sampler, cap=2.0)
+    weights = correction_weights("truncated_is", learner.detach(), sampler, cap=2.0)
     assert weights.tolist()[0] == pytest.approx([2.0, 0.625, 1.0])
     assert not weights.requires_grad
 
@@ -69,13 +69,13 @@ def test_truncated_is_weights_a_stale_token_by_its_ratio_to_the_sampler():
     assert grad.tolist()[0] == pytest.approx([-2.0 / 3, -0.625 / 3, -1.0 / 3])
 
 
-def test_behavior_weights_refuse_a_cap_below_one_and_mismatched_shapes():
-    from rlep.services.learner.algorithm import behavior_weights
+def test_correction_weights_refuse_a_cap_below_one_and_mismatched_shapes():
+    from rlep.services.learner.mismatch import correction_weights
 
     with pytest.raises(ValueError, match="cap"):
-        behavior_weights(torch.zeros(1, 2), torch.zeros(1, 2), cap=0.5)
+        correction_weights("truncated_is", torch.zeros(1, 2), torch.zeros(1, 2), cap=0.5)
     with pytest.raises(ValueError, match="shape"):
-        behavior_weights(torch.zeros(1, 2), torch.zeros(1, 3), cap=2.0)
+        correction_weights("truncated_is", torch.zeros(1, 2), torch.zeros(1, 3), cap=2.0)
 
 
 def test_the_batch_carries_sampler_logprobs_of_fresh_rows_only_in_the_loss_layout():

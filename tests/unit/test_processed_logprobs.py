@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rlep.services.cli.run import logprobs_mode_problem
-from rlep.services.learner.batch import Sampling, processed_logprobs, token_scores
+from rlep.services.launch.training import logprobs_mode_problem
+from rlep.services.learner.batch import LogitProcessing, processed_logprobs, token_scores
 
 
 def test_a_hand_worked_nucleus():
@@ -53,7 +53,7 @@ def test_token_scores_give_the_processed_view_chunk_by_chunk():
     head = torch.nn.Linear(16, 40, bias=False)
     tokens = torch.randint(0, 40, (3, 9), generator=generator)
     with torch.no_grad():
-        raw, processed = token_scores(hidden, head, tokens, chunk_positions=5, sampling=Sampling(0.8, 0.9))
+        raw, processed = token_scores(hidden, head, tokens, chunk_positions=5, sampling=LogitProcessing(0.8, 0.9))
         plain, entropy = token_scores(hidden, head, tokens, chunk_positions=5, with_entropy=False)
         logits = head(hidden[:, :-1]).reshape(-1, 40)
         expected = processed_logprobs(logits, tokens[:, 1:].reshape(-1), 0.8, 0.9).view(3, 8)

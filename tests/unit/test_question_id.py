@@ -51,7 +51,7 @@ def test_released_pool_spelling_matches_dapo17k_training_rows(tmp_path):
 def test_training_and_eval_read_verl_parquet_alike(tmp_path):
     """One reader: ids hash the prompt (or keep our export's), and bad rows are refused by row number."""
     from rlep.common.dataset import DatasetError, read_verl_parquet
-    from rlep.services.eval.scoring import load_dataset
+    from rlep.services.eval.inputs import load_dataset
 
     chat = [{"role": "user", "content": "2+2?"}]
     rows = [{"prompt": chat, "reward_model": {"ground_truth": " 4 "}, "data_source": "mine"}]

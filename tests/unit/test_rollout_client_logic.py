@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from rlep.common.grpc_utils import unknown_field_paths
+from rlep.common.grpc_validation import unknown_field_paths
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.rollout.client import RolloutClient, RolloutError, prompt_to_proto, split_evenly
 from rlep.services.rollout.types import Sampling

@@ -82,7 +82,7 @@ def test_a_killed_replicas_claim_is_freed_with_its_process(tmp_path):
 def test_two_grpc_servers_never_share_a_port():
     """gRPC's default (SO_REUSEPORT) would let a second replica bind the first one's port and split its traffic."""
     from rlep.common.config import ServerConfig
-    from rlep.common.grpc_utils import build_server
+    from rlep.common.grpc_server import build_server
 
     config = ServerConfig(host=HOST, port=free_port())
     first, port, _ = build_server(config, lambda server: None, [])

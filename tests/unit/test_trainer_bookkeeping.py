@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,8 @@ from rlep.common.policy_info import POLICY_FILE, policy_version_of
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Verdict
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.generation import ServiceClients
 from rlep.services.learner.records import read_step_log
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.trainer import Trainer
 from rlep.services.rollout.client import PushResult, ReplicaTarget
@@ -207,6 +208,87 @@ def test_policy_versions_keep_growing_across_a_resume(tokenizer, tmp_path):
     assert logged == [2, 3, 4, 6, 7]  # 5: the resumed run's first push, above the lost step 3's 4
     assert rollout.pushed == [5, 6, 7]
     assert policy.saved["step_4"]["policy_version"] == 7 == policy_version_of(tmp_path / "ckpt" / "step_4" / "hf")
+
+
+class CountingRollout(ScriptedRollout):
+    """`ScriptedRollout` that counts its generations (each follows one gather's draw from the data cursor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.called = threading.Condition()
+
+    def generate(self, prompts, sampling):
+        with self.called:
+            self.calls += 1
+            self.called.notify_all()
+        return super().generate(prompts, sampling)
+
+
+class AheadPolicy(MemoryPolicy):
+    """Its update returns only once the next step's gather has drawn its questions (the rollout was asked for them),
+    as on a real stack, where an update takes longer than a draw: the checkpoint after it is taken while generation
+    runs a step ahead of training."""
+
+    def __init__(self):
+        super().__init__()
+        self.rollout: CountingRollout | None = None
+        self.steps_left = 0  # the trainer's steps still to run when it starts: no gather follows its last one
+        self.updates = 0
+
+    def run_with(self, rollout: CountingRollout, steps_left: int) -> None:
+        self.rollout, self.steps_left, self.updates = rollout, steps_left, 0
+
+    def update(self, batch, rows_per_mini_batch):
+        self.updates += 1
+        if self.updates < self.steps_left:
+            with self.rollout.called:
+                assert self.rollout.called.wait_for(lambda: self.rollout.calls > self.updates, timeout=30)
+        return super().update(batch, rows_per_mini_batch)
+
+
+def test_a_resume_while_generation_runs_ahead_trains_the_questions_of_an_uninterrupted_run(tokenizer, tmp_path):
+    """max_staleness=1: step 3's questions are drawn while step 2 trains, before step 2's checkpoint. The checkpoint
+    must hold the cursor after step 2's draws (the trained one), not after step 3's, or the resumed run skips step 3's
+    questions. Resumed after step 2, steps 3-4 train the questions of the fixed schedule, as an uninterrupted run does.
+    """
+    from rlep.services.learner.cursor import DataCursor
+
+    overlap = {"max_staleness": 1, "replayed_per_question": 0}
+    policy, rollout = AheadPolicy(), CountingRollout()
+    first = make_trainer(tokenizer, policy, rollout, tmp_path / "run", steps=4, algorithm=overlap, every_steps=2)
+    policy.run_with(rollout, steps_left=4)
+    first.start()
+    try:
+        before = [first.train_step() for _ in range(2)]  # then the run dies, step 3's questions already drawn
+        assert rollout.calls == 3
+    finally:
+        first.close()
+    rollout = CountingRollout()
+    resumed = make_trainer(tokenizer, policy, rollout, tmp_path / "run", steps=4, algorithm=overlap, every_steps=2)
+    policy.run_with(rollout, steps_left=2)
+    resumed.start(resume=True)
+    try:
+        after = [resumed.train_step() for _ in range(2)]
+    finally:
+        resumed.close()
+
+    reference, rollout = AheadPolicy(), CountingRollout()
+    whole = make_trainer(tokenizer, reference, rollout, tmp_path / "ref", steps=4, algorithm=overlap, every_steps=2)
+    reference.run_with(rollout, steps_left=4)
+    whole.start()
+    try:
+        uninterrupted = [whole.train_step() for _ in range(4)]
+    finally:
+        whole.close()
+
+    # The schedule: the seeded cursor's draws of 2 questions per step (config seed 2, shuffled, 4 questions).
+    cursor = DataCursor(len(QUESTIONS), seed=2, shuffle=True)
+    schedule = [[QUESTIONS[i].question_id for i in cursor.next_indices(2)] for _ in range(4)]
+    assert [r.step for r in before + after] == [1, 2, 3, 4]
+    assert [r.question_ids for r in uninterrupted] == schedule
+    assert [r.question_ids for r in before + after] == schedule
+    assert policy.saved["step_2"]["cursor"] == {"epoch": 1, "position": 0, "count": 4, "seed": 2}
 
 
 def test_resume_starts_above_the_checkpoint_without_a_step_log(tokenizer, tmp_path):

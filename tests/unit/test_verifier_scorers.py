@@ -15,8 +15,8 @@ from rlep.common.types import Verdict
 from rlep.services.verifier.config import HttpScorer, MathScorer, PythonScorer, VerifierConfig
 from rlep.services.verifier.countdown import countdown_rows, evaluate, score
 from rlep.services.verifier.judge import CheckOptions, CheckResult, reward_of
+from rlep.services.verifier.python_scorer import ScoreCall, parse_extra, run_score_call, score_of
 from rlep.services.verifier.routing import score_result
-from rlep.services.verifier.scoring import ScoreCall, parse_extra, run_score_call, score_of
 
 GOLD = json.dumps({"target": 24, "numbers": [8, 3, 2, 1]})
 HERE = "tests.unit.test_verifier_scorers"

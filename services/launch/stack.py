@@ -18,10 +18,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlep.common.errors import UserError
 from rlep.common.files import read_token_file
 from rlep.common.policy_info import policy_version_of
 from rlep.common.ports import free_port
-from rlep.services.cli.errors import UserError
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
 from rlep.services.learner.trainer import ServiceClients
@@ -85,7 +85,7 @@ class ServiceStack:
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         start_rollout = not (endpoints.rollout or endpoints.rollout_service)
         try:
-            check_gpus_fit(self.config, cluster_gpus, start_rollout)
+            check_gpus_fit(local, self.config.deepspeed.num_processes, cluster_gpus, start_rollout)
         except ValueError as err:
             raise UserError(str(err)) from None
         if endpoints.rollout:
@@ -93,7 +93,7 @@ class ServiceStack:
         elif endpoints.rollout_service:
             rollout = RolloutClient.from_service(endpoints.rollout_service, token=self.token)  # re-resolved per step
         else:
-            self._start_rollout(auth, rollout_gpus(self.config, cluster_gpus))
+            self._start_rollout(auth, rollout_gpus(local, cluster_gpus))
             rollout = RolloutClient.from_ray(self.app_name, token=self.token)  # refresh() follows restarts
         verifier_address = endpoints.verifier or self._start_actor(
             "verifier", {"num_workers": local.verifier_workers, "server": auth}

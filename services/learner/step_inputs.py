@@ -18,15 +18,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import grpc
-
 from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor
 from rlep.services.learner.metrics import PHASES
-from rlep.services.learner.scoring import ReplayReport, group_varies, prepare_replayed, score_fresh, score_replayed
+from rlep.services.learner.scored_trajectories import (
+    ReplayReport,
+    group_varies,
+    prepare_replayed,
+    score_fresh,
+    score_replayed,
+)
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
+from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
 
@@ -202,9 +207,7 @@ class StepInputs:
                     strategy=algo.replay_strategy,
                     seed=step_seed(self.config.seed + 7919, step),
                 )
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
+            except PoolNotFound:
                 report.dropped["pool_missing"] += report.requested
                 sampled = {}
             prompts = {q.question_id: p for q, p in zip(gathered.questions, gathered.prompts, strict=True)}

@@ -1,4 +1,5 @@
-"""`rlep train`: one training run over the services, on Ray (local by default, or a cluster)."""
+"""One training run over the services, on Ray (local by default, or a cluster): what `rlep train`, the demo's two
+runs and the experiments call."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlep.common.errors import UserError
 from rlep.common.ray_local import init_ray
-from rlep.services.cli.errors import UserError
-from rlep.services.cli.stack import ServiceStack
+from rlep.services.launch.stack import ServiceStack
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import load_questions
 from rlep.services.learner.pool_seed import seed_pool_from_candidates

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict
-from rlep.services.learner.generations import RESPONSE_CHARS, append_jsonl, markdown_table, pick
+from rlep.services.learner.generation_log import RESPONSE_CHARS, append_jsonl, markdown_table, pick
 
 
 def sample(qid: str, i: int, **fields) -> Trajectory:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import pytest
 
 from rlep.common.dataset import Question
@@ -17,9 +16,10 @@ from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Trajectory, Verdict
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor
-from rlep.services.learner.generation import ReplayMissingError, ServiceClients, StepInputs, StepTimer
-from rlep.services.learner.scoring import ReplayReport
+from rlep.services.learner.scored_trajectories import ReplayReport
+from rlep.services.learner.step_inputs import ReplayMissingError, ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Completion, SampleOut
 
 SMALL = ModelSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64)
@@ -60,13 +60,8 @@ class ScriptedReplay:
 
     def sample(self, pool, question_ids, m, strategy, seed):
         if self.pool is None:
-            raise _NotFound()
+            raise PoolNotFound(pool)  # what ReplayClient.sample raises when the server answers NOT_FOUND
         return {qid: self.pool.get(qid, [])[:m] for qid in question_ids}
-
-
-class _NotFound(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.NOT_FOUND
 
 
 @pytest.fixture(scope="module")

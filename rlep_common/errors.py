@@ -1,0 +1,12 @@
+"""`UserError`: a mistake the user can fix, raised at whatever layer finds it.
+
+It lives here, at the bottom, so a service, the launcher or a command can raise it without importing the
+command line. The `rlep` command (`rlep.services.cli.errors.RlepGroup`) prints it as `error: <message>` and
+exits 2 with no traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message names the problem and the fix, in one or two lines."""
