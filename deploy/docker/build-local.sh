@@ -70,7 +70,8 @@ context_tar() {
   # virtualenvs included. Build the context from that file's allow-list instead, so both agree.
   local paths
   mapfile -t paths < <(sed -n 's/^!//p' deploy/docker/Dockerfile.dockerignore)
-  tar -c --exclude=__pycache__ --exclude='*.pyc' deploy/docker/Dockerfile "${paths[@]}"
+  tar -c --exclude=__pycache__ --exclude='*.pyc' --exclude=experiments/protocol/results deploy/docker/Dockerfile \
+    "${paths[@]}"
 }
 
 start=$(date +%s)

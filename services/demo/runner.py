@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import Field, SerializationInfo, field_serializer
 
 from rlep.common.config import CONFIG_DIR, StrictModel, deep_merge, load_config
-from rlep.services.eval.compare import peak, steps_to_reach
+from rlep.common.curves import peak, steps_to_reach
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.records import LogRecord, StepRecord
 

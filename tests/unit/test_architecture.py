@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("launch", ["rlep.services.launch"]),
     ("demo", ["rlep.services.demo"]),
     ("command line", ["rlep.services.cli"]),
+    # Multi-run protocols: they run jobs through the launch room and the demo's task; nothing imports them.
+    ("experiments", ["rlep.experiments"]),
 ]
 SERVICES_LAYER, LAUNCH_LAYER = ([name for name, _ in LAYERS].index(layer) for layer in ("services", "launch"))
 # What one service may import of another (below the launch room, which wires them together, and what
@@ -221,6 +223,8 @@ def test_every_source_module_is_in_a_layer():
         ("rlep.services.demo.runner", "rlep.services.cli", "upward"),
         ("rlep.services.launch.training", "rlep.services.demo.runner", "upward"),
         ("rlep.services.launch.stack", "rlep.services.cli.app", "upward"),
+        ("rlep.services.cli.app", "rlep.experiments.protocol.run", "upward"),
+        ("rlep.services.demo.runner", "rlep.experiments.protocol.compare", "upward"),
         ("rlep.services.eval.runner", "rlep.services.rollout.main", "wires a service"),
         ("rlep.services.learner.trainer", "rlep.services.rollout.ray_app", "wires a service"),
         ("rlep.services.demo.runner", "rlep.services.verifier.main", "wires a service"),
@@ -244,6 +248,8 @@ def test_the_contract_refuses(importer, imported, reason):
         ("rlep.services.launch.stack", "rlep.services.verifier.main"),
         ("rlep.services.launch.stack", "rlep.services.rollout.ray_app"),
         ("rlep.services.launch.training", "rlep.services.learner.trainer"),
+        ("rlep.experiments.protocol.training", "rlep.services.launch.training"),
+        ("rlep.experiments.protocol.pool", "rlep.services.demo.task"),
         ("rlep.services.demo.runner", "rlep.services.launch.training"),
         ("rlep.services.demo.runner", "rlep.services.learner.cursor"),
         ("rlep.services.cli.train", "rlep.services.demo.runner"),

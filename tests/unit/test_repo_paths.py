@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("tests", "configs", "services", "rlep_common")
+ROOTS = ("tests", "configs", "services", "rlep_common", "experiments")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".json", ".jsonl", ".txt", ".sh", ".cfg", ".ini", ".jinja"}
 SELF = "tests/unit/test_repo_paths.py"  # its examples below offend on purpose
 

@@ -1,5 +1,5 @@
-"""The protocol's statistics (rlep.services.eval.compare): plateau rule, steps to reach, AUC, paired
-bootstrap, evaluation noise, pool coverage and diversity; plus the collection's keep rule."""
+"""The protocol's statistics (rlep.experiments.protocol.compare, rlep.common.curves): plateau rule, steps to
+reach, AUC, paired bootstrap, evaluation noise, pool coverage and diversity; plus the collection's keep rule."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import random
 
 import pytest
 
-from rlep.services.eval.compare import (
+from rlep.common.curves import peak, steps_to_reach
+from rlep.experiments.protocol.compare import (
     censored_median,
     clustered_standard_error,
     curve_auc,
     paired_bootstrap,
-    peak,
     plateau_step,
     pool_diversity,
     questions_for_standard_error,
-    steps_to_reach,
 )
 from rlep.services.learner.collect import keeps_question
 

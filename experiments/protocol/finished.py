@@ -1,17 +1,14 @@
-"""What `rlep_protocol.py --report-only` reports: the runs already finished (here or in the archive), read back as
+"""What `run --report-only` reports: the runs already finished (here or in the archive), read back as
 `run_protocol` returns them, without starting anything."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import protocol_archive as archived  # noqa: E402
-from rlep_protocol import ABLATIONS, NOT_RUNNABLE, ProtocolConfig, ablation_run_id, shared_warmup  # noqa: E402
+from rlep.experiments.protocol import archive as archived
+from rlep.experiments.protocol.config import ABLATIONS, NOT_RUNNABLE, ProtocolConfig, ablation_run_id
+from rlep.experiments.protocol.training import shared_warmup
 
 
 def finished_runs(cfg: ProtocolConfig, ablations: bool) -> tuple[ProtocolConfig, dict]:

@@ -1,12 +1,13 @@
-"""Per-seed and paired figures of benchmarks/rlep_protocol.py: one seed's RLEP run against its baseline, and the
-paired differences over seeds (statistics: rlep.services.eval.compare). Pure functions over the runs' results."""
+"""Per-seed and paired figures of the protocol (`run`): one seed's RLEP run against its baseline, and the
+paired differences over seeds (statistics: `compare`, `rlep.common.curves`). Pure functions over the runs' results."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from rlep.services.eval.compare import censored_median, curve_auc, paired_bootstrap, peak, steps_to_reach
+from rlep.common.curves import peak, steps_to_reach
+from rlep.experiments.protocol.compare import censored_median, curve_auc, paired_bootstrap
 
 # Fractions of the baseline's gain (start -> peak) at which both arms' steps are compared as well as at the peak: where
 # along the climb replay saves steps, not only at its end.

@@ -8,9 +8,9 @@ The protocol's task (sums of 4 numbers in [1, 16], 600 warm-up steps) starts at 
 It reports the warm-up's pass@1 (T=1, 256 held-out problems), the RL curve's first evaluation (the start), its peak
 and where, the final, and peak / start. The issue's bar: start <= 20% and a converged baseline >= 2.5x higher.
 
-    python benchmarks/task_pilots.py                  # every candidate, in order (~25 min each on 2 cores)
-    python benchmarks/task_pilots.py --only sum5-20   # one (repeat --only for several)
-    python benchmarks/task_pilots.py --report-only    # the table of what has finished
+    python -m rlep.experiments.protocol.pilots                  # every candidate, in order (~25 min each on 2 cores)
+    python -m rlep.experiments.protocol.pilots --only sum5-20   # one (repeat --only for several)
+    python -m rlep.experiments.protocol.pilots --report-only    # the table of what has finished
 
 Each finished pilot is kept under work_dir/<name>/ and reused on a rerun; the JSON and PNG go to `results`.
 """
@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rlep_protocol import ProtocolConfig, run_config, shared_warmup, train_run  # noqa: E402
-
-from rlep.services.eval.compare import peak  # noqa: E402
+from rlep.common.curves import peak
+from rlep.experiments.protocol.config import ProtocolConfig, run_config
+from rlep.experiments.protocol.training import shared_warmup, train_run
 
 # name -> ProtocolConfig values. Response limits leave room for the longest worked solution of the task
 # (character-level tokenizer: "a+b=c, " is ~7-9 tokens per step, "\boxed{n}" one token plus the digits).
@@ -50,7 +47,7 @@ PILOT = {
     "max_steps": 400,
 }
 WORK_DIR = Path("runs/task-pilots")
-RESULTS = Path("benchmarks/results/task_pilots")
+RESULTS = Path("experiments/protocol/results/pilots")
 BAR_START, BAR_GAIN = 0.20, 2.5
 
 
@@ -61,8 +58,8 @@ def pilot_config(name: str, work_dir: Path = WORK_DIR) -> ProtocolConfig:
 def run_pilot(name: str, work_dir: Path = WORK_DIR) -> dict:
     """Warm-up and one baseline to its plateau for candidate `name`; returns its figures (cached per pilot)."""
     from rlep.common.ray_local import init_ray
-    from rlep.services.cli.stack import ServiceStack
     from rlep.services.demo.task import make_problems, write_parquet
+    from rlep.services.launch.stack import ServiceStack
 
     cfg = pilot_config(name, work_dir)
     done = cfg.work_dir / "pilot.json"

@@ -8,14 +8,11 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import protocol_archive as archived
-
+from rlep.experiments.protocol import archive as archived
+from rlep.experiments.protocol.compare import pool_diversity
+from rlep.experiments.protocol.config import ProtocolConfig
 from rlep.services.learner.config import TrainConfig
-
-if TYPE_CHECKING:
-    from rlep_protocol import ProtocolConfig
 
 
 def machine() -> str:
@@ -36,8 +33,8 @@ def machine() -> str:
 def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: str, base: TrainConfig) -> dict:
     """Phase 1 into `pool` (dropped first) from `checkpoint`; returns the collection's and the pool's figures."""
     step = checkpoint.parent.name.removeprefix("step_")
-    from rlep.services.cli.run import policy_tokenizer
-    from rlep.services.learner.collect import CollectConfig, collect, push_checkpoint
+    from rlep.services.launch import collection
+    from rlep.services.learner.config import CollectConfig
     from rlep.services.learner.cursor import load_questions
 
     done = cfg.work_dir / f"pool-{pool}.json"
@@ -46,7 +43,6 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
         return json.loads(done.read_text())
     if pool in replay.list_pools():
         replay.drop(pool, confirm=pool)
-    push_checkpoint(stack.services.rollout, checkpoint)
     questions = load_questions(base.data.train_files)
     config = CollectConfig(
         samples_per_question=cfg.collect_samples,
@@ -56,7 +52,7 @@ def collect_pool(cfg: ProtocolConfig, stack, checkpoint: Path, pool: str, rule: 
         keep_rule=rule,
     )
     started = time.perf_counter()
-    stats = collect(stack.services, questions, pool, config, tokenizer=policy_tokenizer(checkpoint, base))
+    stats = collection.collect_pool(base, checkpoint, questions, pool, config, stack)
     figures = {
         "checkpoint_step": int(step) if step.isdigit() else None,
         "rule": rule,
@@ -79,7 +75,6 @@ def pool_figures(replay, pool: str, questions) -> dict:
     from dataclasses import asdict
 
     from rlep.services.demo.task import make_problem, solution_paths
-    from rlep.services.eval.compare import pool_diversity
 
     texts: dict[str, list[str]] = {}
     chunks = replay.export(pool) if pool in replay.list_pools() else []  # a collection that kept nothing made none

@@ -1,24 +1,11 @@
-"""benchmarks/task_pilots.py's figures of one pilot: the issue-29 bar (start <= 20%, peak >= 2.5x start) and the
+"""rlep.experiments.protocol.pilots' figures of one pilot: the issue-29 bar (start <= 20%, peak >= 2.5x start) and the
 candidates' settings (a full pilot run is a benchmark: ~25 min)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def pilots():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports rlep_protocol as a top-level module
-    try:
-        yield importlib.import_module("task_pilots")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from rlep.experiments.protocol import pilots
 
 
 def run(curve, plateau_step=40):
@@ -40,18 +27,18 @@ def run(curve, plateau_step=40):
         ([[0, 0.0], [10, 0.0]], False),  # never learns: no gain at all
     ],
 )
-def test_the_bar_is_start_at_most_20_percent_and_peak_at_least_2_5_times_it(pilots, curve, meets):
+def test_the_bar_is_start_at_most_20_percent_and_peak_at_least_2_5_times_it(curve, meets):
     figures = pilots.pilot_figures("sum5-20", 0.1, run(curve))
     assert figures["meets_bar"] is meets
     assert figures["start"] == curve[0][1] and figures["peak"] == max(a for _, a in curve)
 
 
-def test_a_pilot_that_hit_the_cap_says_so(pilots):
+def test_a_pilot_that_hit_the_cap_says_so():
     figures = pilots.pilot_figures("sum3-50", None, run([[0, 0.1], [400, 0.5]], plateau_step=None))
     assert figures["capped"] and figures["step_seconds_mean"] == 2.0 and figures["peak_step"] == 400
 
 
-def test_every_candidate_is_a_valid_protocol_config_with_room_in_its_eval_split(pilots, tmp_path):
+def test_every_candidate_is_a_valid_protocol_config_with_room_in_its_eval_split(tmp_path):
     from rlep.services.demo.task import make_problems
 
     for name in pilots.CANDIDATES:

@@ -1,13 +1,13 @@
-"""Statistics that compare training runs by their held-out accuracy curves (benchmarks/rlep_protocol.py).
+"""Statistics that compare the protocol's training runs by their held-out accuracy curves (`run`, `report`).
 
 Pure functions over plain lists, no engines: a curve is `[(step, accuracy), ...]` in step order, as the
-learner's periodic evaluation logs it (step 0 = the starting weights).
+learner's periodic evaluation logs it (step 0 = the starting weights). One curve's `peak` and `steps_to_reach`,
+which the demo shares, are in `rlep.common.curves`.
 
 - `plateau_step`: early-stopping rule: a run has plateaued once `patience` evaluations in a row brought
   no new best by more than `min_delta` (one standard error of an evaluation is a good `min_delta`: a
   smaller rise is within the evaluation's noise).
-- `peak`, `steps_to_reach`, `curve_auc`: the figures of the RLEP paper's comparison (steps to the
-  baseline's peak, peak accuracy) plus the mean accuracy over the run (area under the curve / span).
+- `curve_auc`: the mean accuracy over the run (area under the curve / span).
 - `paired_bootstrap`: mean of per-seed differences with a percentile bootstrap interval over seeds.
 - `censored_median`: the Kaplan-Meier median of a time-to-event figure (steps to the baseline's peak) where
   some seeds never get there: a mean over the seeds that do would flatter the arm.
@@ -24,20 +24,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-Curve = Sequence[tuple[int, float]]
-
-
-def peak(curve: Curve) -> tuple[int, float]:
-    """(first step reaching the curve's maximum, that maximum)."""
-    if not curve:
-        raise ValueError("empty curve")
-    best = max(accuracy for _, accuracy in curve)
-    return next(step for step, accuracy in curve if accuracy >= best), best
-
-
-def steps_to_reach(curve: Curve, target: float) -> int | None:
-    """First step at which `curve` reaches `target`; None if it never does."""
-    return next((step for step, accuracy in curve if accuracy >= target), None)
+from rlep.common.curves import Curve
 
 
 def plateau_step(curve: Curve, patience: int, min_delta: float = 0.0) -> int | None:

@@ -1,5 +1,5 @@
-"""Report of benchmarks/rlep_protocol.py from its runs' results: costs, replay signal, tables, PNG and JSON (the
-per-seed and paired figures: rlep_protocol_figures.py; statistics: rlep.services.eval.compare)."""
+"""Report of the protocol (`run`) from its runs' results: costs, replay signal, tables, PNG and JSON (the
+per-seed and paired figures: `figures`; statistics: `compare`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from rlep_protocol_figures import MEDIAN_RATIO, paired, run_figures
 
-from rlep.services.eval.compare import peak
+from rlep.common.curves import peak
+from rlep.experiments.protocol.figures import MEDIAN_RATIO, paired, run_figures
 
 
 def eval_standard_error(cfg, accuracy: float) -> float:
