@@ -43,32 +43,28 @@ def main(
 
 
 class ServiceEntry(NamedTuple):
-    """What `rlep serve <service>` needs; module paths are imported only when the command runs."""
+    """What `rlep serve <service>` needs besides what serves it (`rlep.services.launch.serve.SERVE_FOREVER`);
+    the config class is imported only when the command runs."""
 
     config_class: str
-    serve_forever: str
     help: str
 
 
 SERVICES: dict[str, ServiceEntry] = {
     "verifier": ServiceEntry(
         "rlep.services.verifier.config:VerifierConfig",
-        "rlep.services.verifier.main:serve_forever",
         "math-verify behind gRPC (rlep.verifier.v1.Verifier), in a process pool with timeouts.",
     ),
     "replay": ServiceEntry(
         "rlep.services.replay.config:ReplayConfig",
-        "rlep.services.replay.main:serve_forever",
         "The experience pool (rlep.replay.v1.ReplayBuffer) over Redis; starts its own Redis without redis_url.",
     ),
     "rollout": ServiceEntry(
         "rlep.services.rollout.config:RolloutConfig",
-        "rlep.services.rollout.main:serve_forever",
         "One vLLM worker (rlep.rollout.v1.Rollout): generates groups, takes weight pushes in place.",
     ),
     "eval": ServiceEntry(
         "rlep.services.eval.config:EvalConfig",
-        "rlep.services.eval.main:serve_forever",
         "Evaluation jobs over REST (default port 8080): Avg/Maj/Pass@N through rollout + verifier, kept in Redis.",
     ),
 }
@@ -125,13 +121,14 @@ def _serve(service: str, config: Path | None, flags: dict[str, Any], sets: list[
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.common.lifecycle import dump_stacks_on_signal
+    from rlep.services.launch.serve import SERVE_FOREVER
 
     dump_stacks_on_signal()
     listen = f"{resolved.server.host}:{resolved.server.port}"
     redis_url = getattr(resolved, "redis_url", None) or "the self-started redis-server"
     try:
         with reaching("Redis", redis_url, "start Redis there or fix redis_url (--set redis_url=redis://HOST:PORT/0)"):
-            _load(SERVICES[service].serve_forever)(resolved)
+            SERVE_FOREVER[service](resolved)
     except (OSError, RuntimeError) as err:
         from rlep.common.redis_server import DataDirInUse
 

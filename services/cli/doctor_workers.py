@@ -218,9 +218,9 @@ def rollout(model: str) -> dict:
     """A replica as a run starts one; passes when, against the learner's reference of the same weights, its
     logprobs match at start and after the push, and differ before it (so the push is what made them match)."""
     from rlep.common.config import ServerConfig
+    from rlep.services.launch.serve import start_rollout_worker
     from rlep.services.rollout.client import RolloutClient
     from rlep.services.rollout.config import EngineConfig, RolloutConfig
-    from rlep.services.rollout.main import start_rollout
 
     original = checkpoint_tensors(Path(model))
     pushed = perturbed(original, seed=1)
@@ -228,7 +228,7 @@ def rollout(model: str) -> dict:
     # A short context: one short prompt is served, and the KV cache then fits whatever the model's own limit.
     engine = EngineConfig(model=model, max_model_len=512, max_num_seqs=8)
     started = time.perf_counter()
-    running = start_rollout(RolloutConfig(server=ServerConfig(host="127.0.0.1", port=0), engine=engine))
+    running = start_rollout_worker(RolloutConfig(server=ServerConfig(host="127.0.0.1", port=0), engine=engine))
     start_s = time.perf_counter() - started
     client = RolloutClient([f"127.0.0.1:{running.port}"], timeout_s=300.0)
     try:

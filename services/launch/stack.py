@@ -24,7 +24,7 @@ from rlep.common.policy_info import policy_version_of
 from rlep.common.ports import free_port
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
-from rlep.services.learner.trainer import ServiceClients
+from rlep.services.learner.step_inputs import ServiceClients
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from rlep.services.verifier.client import verify_groups
 from rlep.services.weights.config import AutoSyncConfig, NcclSyncConfig
 from rlep.services.weights.transport import setup_weight_transport
 
-__all__ = ["Policy", "ServiceClients", "Trainer"]
+__all__ = ["Policy", "Trainer"]
 
 GENERATIONS_FILE = "generations.jsonl"  # in the run's directory, beside the step log when that is there too
 log = logging.getLogger(__name__)

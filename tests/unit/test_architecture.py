@@ -1,6 +1,6 @@
 """The import contract of docs/architecture.md: layers only point down, a service uses another only through
-its public modules, only the launch room (and the command line) wires services from their `main`/`ray_app`,
-and no modules import each other in a circle. Every `import` of every module is checked (also those inside
+its public modules, only the launch room wires services from their `main`/`ray_app`, and no modules import
+each other in a circle. Every `import` of every module is checked (also those inside
 functions, where the heavy ones are), so a breach fails here, in CI, with the line that made it.
 """
 
@@ -34,9 +34,10 @@ SERVICES_LAYER, LAUNCH_LAYER = ([name for name, _ in LAYERS].index(layer) for la
 # caller gives it.
 PUBLIC_MODULES = ("client", "types", "config")
 # A service's wiring: `main` (config -> build -> serve) and its Ray Serve app. Only the launch room starts
-# services from them; the command line too, for `rlep serve <svc>` and `rlep doctor`'s replica check.
+# services from them (`rlep serve <svc>` and `rlep doctor`'s replica check too, through `launch.serve`); a
+# service's own modules may use its own.
 WIRING_MODULES = ("main", "ray_app")
-WIRING_PACKAGES = ("rlep.services.launch", "rlep.services.cli")
+WIRING_PACKAGE = "rlep.services.launch"
 
 
 def package_of(module: str) -> tuple[int, str] | None:
@@ -59,8 +60,8 @@ def violation(importer: str, imported: str) -> str | None:
     if target_layer < SERVICES_LAYER:
         return None
     room = "" if imported == package else imported.removeprefix(package + ".").split(".")[0]
-    if room in WIRING_MODULES and importer_package not in WIRING_PACKAGES:
-        return f"{package}.{room} wires a service: only {' and '.join(WIRING_PACKAGES)} import it"
+    if room in WIRING_MODULES and importer_package != WIRING_PACKAGE:
+        return f"{package}.{room} wires a service: only {WIRING_PACKAGE} imports it"
     if source_layer < LAUNCH_LAYER and room not in PUBLIC_MODULES:
         return f"{package} is used only through {', '.join(PUBLIC_MODULES)}"
     return None
@@ -229,6 +230,9 @@ def test_every_source_module_is_in_a_layer():
         ("rlep.services.learner.trainer", "rlep.services.rollout.ray_app", "wires a service"),
         ("rlep.services.demo.runner", "rlep.services.verifier.main", "wires a service"),
         ("rlep.services.demo.runner", "rlep.services.eval.ray_app", "wires a service"),
+        ("rlep.services.cli.doctor_workers", "rlep.services.rollout.main", "wires a service"),
+        ("rlep.services.cli.app", "rlep.services.verifier.main.serve_forever", "wires a service"),
+        ("rlep.experiments.protocol.training", "rlep.services.rollout.ray_app", "wires a service"),
         ("rlep.common.v1.trajectory_pb2", "rlep.common.files", "upward"),
         ("rlep.services.learner.trainer", "rlep.services.rollout.engine", "only through"),
         ("rlep.services.eval.runner", "rlep.services.verifier.judge", "only through"),
@@ -253,7 +257,8 @@ def test_the_contract_refuses(importer, imported, reason):
         ("rlep.services.demo.runner", "rlep.services.launch.training"),
         ("rlep.services.demo.runner", "rlep.services.learner.cursor"),
         ("rlep.services.cli.train", "rlep.services.demo.runner"),
-        ("rlep.services.cli.doctor_workers", "rlep.services.rollout.main"),
+        ("rlep.services.launch.serve", "rlep.services.rollout.main"),
+        ("rlep.services.cli.doctor_workers", "rlep.services.launch.serve"),
         ("rlep.services.rollout.server", "rlep.services.rollout.main"),  # its own package
         ("rlep.services.replay.server", "rlep.replay.v1.replay_pb2"),
         ("rlep.common.wire", "rlep.common.v1.trajectory_pb2"),

@@ -3,12 +3,14 @@
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from rlep.services.cli.app import app
+from rlep.services.cli.app import SERVICES, app
+from rlep.services.launch.serve import SERVE_FOREVER, start_rollout_worker
 
 runner = CliRunner()
 
@@ -23,6 +25,23 @@ def test_help_does_not_import_heavy_modules():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out and "--auth-token-file" in out
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_rlep_serve_runs_the_services_own_main(service, monkeypatch):
+    """`rlep serve NAME` is served by NAME's `main` (through the launch room), given the resolved config; every
+    service's main is a stand-in here, so no server (or vLLM) starts, and the wrong one says which it was."""
+    served = []
+    for name in SERVICES:
+        stand_in = types.ModuleType(f"rlep.services.{name}.main")
+        stand_in.serve_forever = lambda config, name=name: served.append((name, config))
+        stand_in.start_rollout = lambda config, name=name: (name, config)
+        monkeypatch.setitem(sys.modules, stand_in.__name__, stand_in)
+    config = object()
+    SERVE_FOREVER[service](config)
+    assert served == [(service, config)]
+    if service == "rollout":
+        assert start_rollout_worker(config) == ("rollout", config)  # `rlep doctor`'s replica check
 
 
 def test_dry_run_prints_resolved_config(tmp_path):

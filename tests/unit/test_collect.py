@@ -21,7 +21,7 @@ from rlep.services.learner.collect import (
     run_settings,
 )
 from rlep.services.learner.cursor import load_questions
-from rlep.services.learner.trainer import ServiceClients
+from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.rollout.types import Completion, SampleOut
 
 

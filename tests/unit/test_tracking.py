@@ -163,7 +163,7 @@ def test_wandb_without_the_package_is_a_one_line_error(monkeypatch):
 def test_collect_logs_each_chunks_progress(tmp_path):
     from rlep.common.dataset import Question
     from rlep.services.learner.collect import CollectConfig, collect
-    from rlep.services.learner.trainer import ServiceClients
+    from rlep.services.learner.step_inputs import ServiceClients
     from tests.unit.test_collect import Replay, Rollout, Verifier
 
     texts = {"q1": ["ok a", "ok b"], "q2": ["no", "no"], "q3": ["ok a", "ok c"]}
