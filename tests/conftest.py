@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,29 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+# Where a run's time goes, printed at its end (CI's log included): seconds per test folder and the slowest files,
+# setup and teardown counted with the test (a module's shared stack is paid by its first test).
+SLOWEST_FILES_SHOWN = 12
+_seconds_by_file: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report):
+    _seconds_by_file[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _seconds_by_file:
+        return
+    by_folder: Counter[str] = Counter()
+    for path, seconds in _seconds_by_file.items():
+        by_folder["/".join(path.split("/")[:2])] += seconds
+    write = terminalreporter.write_line
+    terminalreporter.section("time by folder and file (setup + call + teardown)")
+    write("  ".join(f"{folder} {seconds:.0f} s" for folder, seconds in by_folder.most_common()))
+    for path, seconds in _seconds_by_file.most_common(SLOWEST_FILES_SHOWN):
+        write(f"{seconds:8.1f} s  {path}")
 
 
 def read_jsonl(path: Path) -> list[dict]:
