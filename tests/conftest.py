@@ -28,6 +28,17 @@ def pytest_configure(config):
     _real_stderr = os.dup(2)  # before output capture replaces fd 2 for the tests
 
 
+def pytest_sessionstart(session):
+    """In a pytest-xdist worker (`make test` runs two), start the local Ray before any test runs. Started later, after
+    gRPC tests had left their threads in the worker and while the other worker held a Ray of its own, its raylet never
+    came up ("The current node timed out during startup": 38 errors in one two-worker run, none in serial runs or
+    with this). The `ray_local` fixture then finds it started."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from rlep.common.ray_local import init_ray
+
+        init_ray(num_cpus=2)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     faulthandler.dump_traceback_later(HANG_EXIT_S, exit=True, file=_real_stderr or 2)
