@@ -12,7 +12,7 @@ import grpc
 import redis
 from prometheus_client import Counter
 
-from rlep.services.replay.requests import InvalidRequest, LimitExceeded
+from rlep.services.replay.requests import LimitExceeded
 from rlep.services.replay.types import PoolNotFound
 
 log = logging.getLogger("rlep.services.replay")
@@ -105,7 +105,5 @@ def status_for_errors(
         context.abort(
             grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.INTERNAL, f"Redis answered an error: {err}"
         )
-    except InvalidRequest as err:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    except ValueError as err:  # a value the sampling logic refuses, as malformed as a request check's
+    except ValueError as err:  # a request check's InvalidRequest, or a value the sampling logic refuses
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
