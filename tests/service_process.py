@@ -36,7 +36,15 @@ POLL_S = 0.2
 LISTENING = re.compile(r"\b(\w+) listening on (?:https?://)?[\w.\-]+:(\d+)")
 TAIL_CHARS = 8000
 STACK_DUMP_MARK = "(most recent call first)"  # faulthandler's header of each thread's stack
+# faulthandler writes thread by thread, newest first, so the main thread comes last, and its last line is the
+# script's own frame: the dump is whole when that line is there (reading at the first header once saw only a
+# worker thread's stack, CI 2026-11-28, test_serve_verifier_process).
+STACK_DUMP_END = re.compile(r'^  File ".*", line \d+ in <module>$', re.MULTILINE)
 STACK_DUMP_TIMEOUT_S = 10.0
+
+
+def _whole_dump(text: str) -> bool:
+    return STACK_DUMP_MARK in text and STACK_DUMP_END.search(text) is not None
 
 
 def rlep_command() -> list[str]:
@@ -122,11 +130,11 @@ class ServiceProcess:
 
     def dump_stacks(self, timeout_s: float = STACK_DUMP_TIMEOUT_S) -> bool:
         """Has the process write every thread's stack into its output (`rlep serve` registers SIGUSR1 for it);
-        whether the dump showed up within `timeout_s`."""
-        before = self.output().count(STACK_DUMP_MARK)
+        whether the whole dump, down to the main thread's first frame, showed up within `timeout_s`."""
+        start = len(self.output())
         self.proc.send_signal(STACK_DUMP_SIGNAL)
         deadline = time.monotonic() + timeout_s
-        while self.output().count(STACK_DUMP_MARK) == before:
+        while not _whole_dump(self.output()[start:]):
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 return False
             time.sleep(POLL_S)  # a file has no hook to wait on; bounded by `timeout_s`
