@@ -48,6 +48,33 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+# Two workers pull files from one queue in collection order (`--dist loadfile`), so a long file collected last runs
+# alone at the end while the other worker idles. The longest files (CI, 2026-11-28, seconds per file) go first;
+# the rest keep their order. A path that no longer exists is an error, so the list cannot rot silently.
+LONGEST_FILES_FIRST = (
+    "tests/integration/test_learner_faults.py",
+    "tests/e2e/test_demo.py",
+    "tests/integration/test_learner_policy.py",
+    "tests/integration/test_learner_loop.py",
+    "tests/integration/test_eval_service.py",
+    "tests/integration/test_pretrained_e2e.py",
+    "tests/integration/test_learner_lora.py",
+    "tests/integration/test_rollout_process.py",
+    "tests/integration/test_rollout_mismatch.py",
+    "tests/integration/test_doctor.py",
+    "tests/integration/test_embedded_redis_supervision.py",
+    "tests/integration/test_rollout.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    missing = [path for path in LONGEST_FILES_FIRST if not (REPO_ROOT / path).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES_FIRST names files that do not exist: {missing}")
+    rank = {path: i for i, path in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
+
+
 # Where a run's time goes, printed at its end (CI's log included): seconds per test folder and the slowest files,
 # setup and teardown counted with the test (a module's shared stack is paid by its first test).
 SLOWEST_FILES_SHOWN = 12
