@@ -2,7 +2,7 @@
 VENV ?= $(or $(RLEP_VENV),.venv)
 export RLEP_VENV := $(VENV)
 
-.PHONY: demo test lint bootstrap
+.PHONY: demo test lint bootstrap gpu-wheels
 
 bootstrap:
 	scripts/bootstrap.sh
@@ -21,3 +21,9 @@ test: bootstrap
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
+
+# Wheels for scripts/gpu-check.sh on a GPU machine without network (docs/gpu.md): what it lacks, for its Python.
+GPU_PYTHON ?= 3.12
+
+gpu-wheels: bootstrap
+	scripts/gpu-wheels.sh --python-version $(GPU_PYTHON) gpu-wheels
