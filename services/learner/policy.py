@@ -28,18 +28,18 @@ from typing import Any
 import torch
 
 from rlep.services.learner.algorithm import mini_batch_normalizer, policy_loss, warmup_lr
-from rlep.services.learner.batch import ExperienceBatch, LogitProcessing, ScoringModel, mini_batches
+from rlep.services.learner.batch import ExperienceBatch, LogitProcessing, ScoringModel, mini_batches, score_chunk_count
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.deepspeed_setup import (
     TRAIN_DTYPES,
     choose_adam,
     deepspeed_config,
-    deepspeed_op_ready,
     init_distributed,
+    load_deepspeed_op,
     load_model,
 )
 from rlep.services.learner.lora import AdapterOff, AdapterScoringModel, apply_lora, base_model, merged_weights
-from rlep.services.learner.micro_batch_plan import MicroBatch, plan_micro_batches
+from rlep.services.learner.micro_batch_plan import MicroBatch, max_micro_batch_tokens, plan_micro_batches
 from rlep.services.learner.mismatch import correction_weights
 from rlep.services.learner.reference import load_reference
 from rlep.services.learner.weight_push import WeightPusher, push_dtype
@@ -86,13 +86,14 @@ class DeepSpeedPolicy:
         self.checkpoint_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_dir))
         self.train_dtype = TRAIN_DTYPES[ds.dtype]  # what `save_hf` writes: no upcast, no rounding
         offload = ds.offload_optimizer and ds.zero_stage > 0
-        self.adam = choose_adam(ds.adam, torch.cuda.is_available(), offload, deepspeed_op_ready)
+        self.adam = choose_adam(ds.adam, torch.cuda.is_available(), offload, load_deepspeed_op)
         ds_config = deepspeed_config(config.optim, config.deepspeed, world_size, self.adam)
         model = load_model(model_dir, config.deepspeed, ds_config)
         self.tied = bool(model.config.tie_word_embeddings)
         self.lora = config.lora.enabled  # only the adapters train (lora.py)
         model = apply_lora(model, config.lora) if self.lora else model
-        scorer = (AdapterScoringModel if self.lora else ScoringModel)(model)  # forwards run with use_cache=False
+        chunks = head_chunks(config)
+        scorer = (AdapterScoringModel if self.lora else ScoringModel)(model, chunks=chunks)  # use_cache=False
         trained = [p for p in scorer.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=scorer, model_parameters=trained, config=ds_config)
         self.device: torch.device = torch.device(self.engine.device)
@@ -107,7 +108,7 @@ class DeepSpeedPolicy:
         if config.algorithm.kl_coef and self.lora:  # the policy with its adapter off: the base never trains
             self.reference = AdapterOff(self.engine, model)
         elif config.algorithm.kl_coef:
-            self.reference = load_reference(model_dir, config.deepspeed, ds_config, self.device)
+            self.reference = load_reference(model_dir, config.deepspeed, ds_config, self.device, chunks)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -293,8 +294,8 @@ class DeepSpeedPolicy:
 
     # -- weights and checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names in the checkpoint's dtype, on the host: on rank 0, and on every rank outside
-        ZeRO-3. Under ZeRO-3 every rank must call it (each takes part in every gather) and ranks > 0 get {}."""
+        """Full weights under HF names in the checkpoint's dtype, on the host, on rank 0; ranks > 0 get {} and make no
+        copy. Under ZeRO-3 every rank must call it (each takes part in every gather)."""
         return self._full_weights(copy=True)
 
     def _device_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -314,22 +315,28 @@ class DeepSpeedPolicy:
         )
 
     def _full_weights(self, copy: bool, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """`state_dict()` (in `dtype`, default the checkpoint's) on the host; without `copy` (CPU training outside
-        ZeRO-3) the tensors may be the module's own, valid until the next update: for a push that reads them at
-        once."""
-        keep = self.rank == 0 or self.config.deepspeed.zero_stage != 3
+        """`state_dict()` (in `dtype`, default the checkpoint's) on the host of rank 0, {} elsewhere; without `copy`
+        (CPU training outside ZeRO-3) the tensors may be the module's own, valid until the next update: for a push
+        that reads them at once.
+
+        Only rank 0 sends or saves what this returns, so only rank 0 copies anything to the host: at 7B in bf16
+        that is 15.2 GB, which every rank of a node would otherwise hold at once (docs/scaling.md, section 2)."""
+        if self.rank != 0:
+            self._join_gathers(dtype)
+            return {}
         copy = copy or self.config.deepspeed.zero_stage == 3  # a gathered parameter is freed after its turn
-        state = {}
-        for name, tensor in self._device_weights(dtype):
-            if keep:
-                state[name] = tensor.to("cpu", copy=copy)
-        return state
+        return {name: tensor.to("cpu", copy=copy) for name, tensor in self._device_weights(dtype)}
+
+    def _join_gathers(self, dtype: torch.dtype | None = None) -> None:
+        """A rank > 0's part in a call whose weights rank 0 alone uses: under ZeRO-3 every gather (a collective),
+        keeping nothing; outside ZeRO-3 each rank holds whole weights already, so nothing."""
+        if self.config.deepspeed.zero_stage == 3:
+            for _ in self._device_weights(dtype):
+                pass
 
     def push_weights(self, target: ReplicaTarget, version: int, sync: WeightSyncConfig) -> PushResult | None:
         """Rank 0 sends the full weights to the replicas of `target` itself (weight_push.py); under ZeRO-3 every
         rank takes part in gathering them. Returns who took `version` (rank 0; None elsewhere)."""
-        if self.rank != 0 and self.config.deepspeed.zero_stage != 3:
-            return None
         weights = self._full_weights(copy=False, dtype=push_dtype(target, self.checkpoint_dtype))
         if self.rank != 0:
             return None
@@ -376,8 +383,12 @@ class DeepSpeedPolicy:
         return client_state
 
     def weight_manifest(self) -> list[tuple[str, TensorInfo]]:
-        """Names, dtypes and shapes of `state_dict()`, in its order (every rank must call it under ZeRO-3)."""
-        return manifest(self.state_dict())
+        """Names, dtypes and shapes of `state_dict()`, in its order, on rank 0 ([] elsewhere; every rank must call it
+        under ZeRO-3). Read off each tensor as it comes (a meta tensor keeps dtype and shape): no host copy."""
+        if self.rank != 0:
+            self._join_gathers()
+            return []
+        return manifest({name: tensor.to("meta") for name, tensor in self._device_weights()})
 
     def broadcast_weights(self, group: BroadcastGroup) -> None:
         """Rank 0 sends the full weights to the rollout workers over `group.backend` (NCCL or gloo).
@@ -385,12 +396,10 @@ class DeepSpeedPolicy:
         Every rank calls it (ZeRO-3 gathers need all of them); rank 0 joins `group` once and broadcasts.
         A failed broadcast leaves its group (the transport's next push names a new one).
         """
-        tensors = (tensor for _, tensor in self._device_weights())
         if self.rank != 0:
-            if self.config.deepspeed.zero_stage == 3:
-                for _ in tensors:  # rank 0 sends each parameter straight from the gather on its device
-                    pass
+            self._join_gathers()  # rank 0 sends each parameter straight from the gather on its device
             return
+        tensors = (tensor for _, tensor in self._device_weights())
         if self._sender is not None and self._sender.group != group:
             self._sender.close()
             self._sender = None
@@ -399,10 +408,11 @@ class DeepSpeedPolicy:
         self._sender = sender  # kept only after a broadcast that completed
 
     def broadcast_address(self) -> str:
-        """This node's address: rank 0 of a local policy is this process; the broadcast group's store listens here."""
-        import ray
+        """This host's address as the replicas' hosts reach it (RLEP_NODE_ADDRESS, else Ray's node IP): asked of
+        rank 0, where the broadcast group's store listens (`weight_sync.master_address: auto`)."""
+        from rlep.services.weights.address import node_address
 
-        return ray.util.get_node_ip_address()
+        return node_address()
 
     def sender_device(self) -> str:
         """The device type this process trains on (`cuda` or `cpu`): rank 0's decides the broadcast's backend."""
@@ -420,6 +430,17 @@ class DeepSpeedPolicy:
         if self.device.type == "cuda":
             state["learner_cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
+
+
+def head_chunks(config: TrainConfig) -> int:
+    """How many chunks every forward applies the LM head in (batch.py, `score_chunk_count`): under ZeRO-3 one count
+    for the run, sized for its largest micro-batch, so DeepSpeed's prefetch trace holds from one micro-batch to the
+    next; elsewhere there is no trace to keep and a batch takes as many 1,024-position chunks as it needs (1)."""
+    if config.deepspeed.zero_stage != 3:
+        return 1
+    optim = config.optim
+    longest_row = config.data.max_prompt_tokens + config.algorithm.max_response_tokens
+    return score_chunk_count(max_micro_batch_tokens(optim.micro_batch_size, optim.micro_batch_tokens, longest_row))
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype:

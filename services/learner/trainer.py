@@ -96,9 +96,13 @@ class Trainer:
         if (algo.replayed_per_question > 0 or algo.online_replay) and services.replay is None:
             raise ValueError("M > 0 or online replay needs a replay service")
         # The NCCL transport keeps its groups and the manifest across pushes: one instance for the run.
-        nccl = isinstance(config.weight_sync, NcclSyncConfig)
-        tensor_parallel = config.local.rollout_engine.tensor_parallel_size
-        self._broadcast = setup_weight_transport(config.weight_sync, policy, tensor_parallel) if nccl else None
+        self._broadcast = None
+        if isinstance(config.weight_sync, NcclSyncConfig):
+            # Each replica gets the ranks of the workers it reports; this run's engine config counts only for one
+            # that does not say (an older server).
+            tensor_parallel = config.local.rollout_engine.tensor_parallel_size
+            reported = services.rollout.reported_workers
+            self._broadcast = setup_weight_transport(config.weight_sync, policy, tensor_parallel, reported)
         self.inputs = StepInputs(config, questions, self.cursor, services, tokenizer)
         self._ahead = GatherAhead(self.inputs, algo.max_staleness, config.steps) if algo.max_staleness else None
         if algo.max_staleness:

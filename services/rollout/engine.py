@@ -124,6 +124,8 @@ class RolloutEngine:
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = str(model_config.dtype).removeprefix("torch.")
         """The dtype the engine's weights are in (vLLM's `dtype: auto` downcasts a float32 checkpoint to bfloat16)."""
+        self.workers: int = self._llm.llm_engine.vllm_config.parallel_config.world_size
+        """vLLM workers (tensor x pipeline parallel): each is one rank of a weight broadcast (GetStatus `workers`)."""
         casts = cast_summary(self._weight_casts(), "start") or "none cast on load"
         log.info("rollout engine runs %s; weights: %s", self.dtype, casts)
         self._version = initial_version

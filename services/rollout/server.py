@@ -234,4 +234,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             pid=os.getpid(),
             dtype=self._engine.dtype,
             logprobs_mode=self._config.engine.logprobs_mode,
+            workers=self._engine.workers,
         )

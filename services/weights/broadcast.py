@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import threading
 import time
 import weakref
@@ -42,7 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rlep.common.errors import UserError
 from rlep.services.weights.payload import TensorInfo
+
+log = logging.getLogger(__name__)
 
 # torch dtype <-> safetensors spelling (what WeightSpec compares).
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -93,9 +97,44 @@ def manifest_bytes(entries: Sequence[tuple[str, TensorInfo]]) -> int:
     return sum(info.nbytes for _, info in entries)
 
 
-def rank_offsets(replicas: int, workers_per_replica: int) -> list[int]:
-    """First group rank of each replica's workers (rank 0 is the learner)."""
-    return [1 + i * workers_per_replica for i in range(replicas)]
+def rank_offsets(workers: Sequence[int]) -> list[int]:
+    """First group rank of each replica's workers, given each replica's number of workers (rank 0 is the learner)."""
+    return [1 + sum(workers[:i]) for i in range(len(workers))]
+
+
+def replica_workers(
+    addresses: Sequence[str], reported: Sequence[int], configured: int | None, assumed: int
+) -> list[int]:
+    """Each replica's ranks in a broadcast group: the vLLM workers it reports (GetStatus `workers`), so replicas of
+    different tensor-parallel sizes share one group (world size 1 + the sum).
+
+    Args:
+        addresses: the replicas (named in messages).
+        reported: what each replica says, 0 when it does not (an older server).
+        configured: `weight_sync.workers_per_replica`, None when unset.
+        assumed: what a replica that does not say counts as (`configured`, else the learner's
+            `local.rollout_engine.tensor_parallel_size`).
+    Returns: the workers of each replica, in the order of `addresses`.
+    Raises UserError when `configured` is set and a replica reports another number: a group built from the wrong one
+    fails only after its join timeout, inside vLLM (`assert rank < world_size`).
+    """
+    out = []
+    for address, count in zip(addresses, reported, strict=True):
+        if count and configured is not None and count != configured:
+            raise UserError(
+                f"weight_sync.workers_per_replica={configured} but rollout replica {address} reports {count} vLLM "
+                "workers (its tensor_parallel_size): leave workers_per_replica unset, and the group follows what "
+                "each replica reports"
+            )
+        if not count:
+            log.warning(
+                "rollout replica %s does not report its vLLM workers (a server older than GetStatus `workers`): "
+                "counting %d (weight_sync.workers_per_replica, else local.rollout_engine.tensor_parallel_size)",
+                address,
+                assumed,
+            )
+        out.append(count or assumed)
+    return out
 
 
 class CollectiveTimeout(RuntimeError):

@@ -37,10 +37,17 @@ class NcclSyncConfig(StrictModel):
     runs), `auto` = nccl when the learner's rank 0 runs on CUDA, else gloo."""
     nccl_port: int = Field(29650, ge=1024, le=65000)
     """First port of the group's store on the learner's rank 0 (a new group takes the next one)."""
+    master_address: str = Field("auto", pattern=r"^\S+$")
+    """Where the group's store listens, as every replica's workers reach it: an IP or a name of the host of the
+    learner's rank 0. `auto`: RLEP_NODE_ADDRESS on that host when set (the Helm chart sets the pod IP, compose the
+    container's address), else Ray's node IP there, which is 127.0.0.1 under the Ray `rlep train` starts without
+    `--ray-address` (services/weights/address.py). A loopback address is refused when a replica is on another host."""
     workers_per_replica: int | None = Field(None, ge=1)
-    """vLLM workers per rollout replica, each one rank of the group (replica i's workers are ranks i x W + 1 ..
-    i x W + W; each loads its own shard of every full tensor). None = the replicas' tensor-parallel size
-    (`local.rollout_engine.tensor_parallel_size`); set it only for replicas started elsewhere with another one."""
+    """vLLM workers per rollout replica, each one rank of the group (each loads its own shard of every full tensor).
+    Each replica reports its own (GetStatus `workers`, its tensor-parallel size) and the group follows that, so
+    replicas of different sizes can share it; set, this is checked against every replica (a push to one reporting
+    another number is refused) and counts for a replica too old to report. None: what each replica reports, and
+    `local.rollout_engine.tensor_parallel_size` for one that does not."""
     timeout_s: float = Field(60.0, gt=0, le=3600)
     """Bound on every rank's join and on each bucket: a peer that died or never came fails the push within it
     (gloo fails at once when a peer's connection closes). Covers a worker finishing its generation batch first."""

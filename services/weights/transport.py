@@ -25,7 +25,9 @@ from typing import Protocol
 
 import torch
 
+from rlep.common.errors import UserError
 from rlep.rollout.v1 import rollout_pb2
+from rlep.services.weights.address import NODE_ADDRESS_ENV, is_loopback
 from rlep.services.weights.broadcast import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -33,6 +35,7 @@ from rlep.services.weights.broadcast import (
     manifest_bytes,
     manifest_digest,
     rank_offsets,
+    replica_workers,
 )
 from rlep.services.weights.config import (
     AutoSyncConfig,
@@ -60,6 +63,9 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # The tensors to push (checkpoint names), or a function giving them. Transports that carry the tensors call it
 # once; the broadcast transport never does (its sender reads them on the learner's devices, so nothing is copied here).
 StateDictSource = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+# Each replica's vLLM workers as it reports them (GetStatus `workers`, 0 when it does not), in the order of the
+# addresses asked about: the caller, which holds the replicas' stubs, asks them (`RolloutClient.reported_workers`).
+ReportedWorkers = Callable[[Sequence[str]], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -148,30 +154,43 @@ class BroadcastTransport(WeightTransport):
 
     Each call carries the manifest (checked by the worker before it joins) and the replica's ranks in the group;
     the broadcast then runs from `sender`. A group's size is fixed, so every replica must take part. A group is
-    kept while its pushes succeed; after a failed push the next one forms a new group on the next port.
+    kept while its pushes succeed; after a failed push the next one forms a new group on the next port. Each
+    replica takes as many ranks as it reports workers (`reported_workers`, asked when a group is formed);
+    `workers_per_replica`, when set, must agree, and counts for a replica that does not say (else `assumed_workers`).
+    The group's address is `master_address`, else the sender's; a loopback one is refused when a replica is elsewhere.
     """
 
     def __init__(
         self,
         sender: BroadcastSender,
         first_port: int,
-        workers_per_replica: int = 1,
+        workers_per_replica: int | None = None,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reported_workers: ReportedWorkers | None = None,
+        assumed_workers: int = 1,
+        master_address: str | None = None,
     ):
         self.sender, self.workers_per_replica = sender, workers_per_replica
+        self.master_address = master_address  # None: where the sender says its rank 0 is
         self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
+        self.reported_workers = reported_workers or (lambda addresses: [0] * len(addresses))
+        self.assumed_workers = workers_per_replica or assumed_workers
         self._next_port = first_port
         self._groups: dict[tuple[str, ...], BroadcastGroup] = {}
+        self._offsets: dict[tuple[str, ...], list[int]] = {}  # each replica's first rank in its set's group
         self._manifest: list[tuple[str, TensorInfo]] | None = None  # tensor names, dtypes, shapes (fixed for a run)
 
     def group(self, addresses: Sequence[str]) -> BroadcastGroup:
         """One group per set of replicas, each on its own port."""
         key = tuple(addresses)
         if key not in self._groups:
-            size = 1 + len(key) * self.workers_per_replica
-            address = self.sender.broadcast_address()
+            reported = self.reported_workers(key)
+            workers = replica_workers(key, reported, self.workers_per_replica, self.assumed_workers)
+            self._offsets[key], size = rank_offsets(workers), 1 + sum(workers)
+            address = self.master_address or self.sender.broadcast_address()
+            check_group_address(address, key)
             self._groups[key] = BroadcastGroup(address, self._next_port, size, self.backend, self.timeout_s)
             self._next_port += 1
         return self._groups[key]
@@ -180,7 +199,7 @@ class BroadcastTransport(WeightTransport):
     def prepare(self, weights: StateDictSource, version: int, addresses: Sequence[str]) -> Iterator[WeightPush]:
         group = self.group(addresses)
         self._manifest = self._manifest or self.sender.weight_manifest()
-        offsets = rank_offsets(len(addresses), self.workers_per_replica)
+        offsets = self._offsets[tuple(addresses)]
         requests = [
             iter(broadcast_messages(version, self._manifest, group, offset, self.bucket_bytes)) for offset in offsets
         ]
@@ -201,10 +220,14 @@ def resolve_backend(backend: str, sender_device: str) -> str:
 
 
 def setup_weight_transport(
-    config: WeightSyncConfig, sender: BroadcastSender | None = None, tensor_parallel_size: int = 1
+    config: WeightSyncConfig,
+    sender: BroadcastSender | None = None,
+    tensor_parallel_size: int = 1,
+    reported_workers: ReportedWorkers | None = None,
 ) -> WeightTransport:
-    """The transport `config` names; `sender` (the learner's policy) is needed by the broadcast only, and the
-    replicas' `tensor_parallel_size` is its workers per replica unless the config names another number."""
+    """The transport `config` names; `sender` (the learner's policy) is needed by the broadcast only. The broadcast
+    gives each replica the ranks of the workers it reports (`reported_workers`); a replica that does not say counts
+    as the config's `workers_per_replica`, else as `tensor_parallel_size` (the learner's own engine config)."""
     match config:
         case AutoSyncConfig():
             return AutoTransport()
@@ -214,9 +237,18 @@ def setup_weight_transport(
             return SharedFileTransport()
         case NcclSyncConfig() if sender is not None:
             backend = resolve_backend(config.backend, sender.sender_device())
-            workers = config.workers_per_replica or tensor_parallel_size
             bucket_bytes = int(config.bucket_mb * 2**20)
-            return BroadcastTransport(sender, config.nccl_port, workers, backend, config.timeout_s, bucket_bytes)
+            return BroadcastTransport(
+                sender,
+                config.nccl_port,
+                config.workers_per_replica,
+                backend,
+                config.timeout_s,
+                bucket_bytes,
+                reported_workers,
+                assumed_workers=tensor_parallel_size,
+                master_address=None if config.master_address == "auto" else config.master_address,
+            )
     raise ValueError(f"weight_sync.transport {config.transport} needs the learner's policy as its sender")
 
 
@@ -229,6 +261,18 @@ def is_local(address: str) -> bool:
         return host in {socket.gethostbyname(socket.gethostname()), socket.getfqdn()}
     except OSError:
         return False
+
+
+def check_group_address(address: str, replicas: Sequence[str]) -> None:
+    """Refuses (UserError, naming both) a group at a loopback `address` when a replica is not on this host: its
+    workers would look for the learner's store at their own loopback and the push fail after the join timeout."""
+    remote = [replica for replica in replicas if not is_local(replica)]
+    if is_loopback(address) and remote:
+        raise UserError(
+            f"the weight broadcast's group address {address} is loopback, but rollout replicas {remote} are on other "
+            f"hosts: they cannot reach it. Set weight_sync.master_address to an address of the learner's rank-0 host "
+            f"that they reach, or {NODE_ADDRESS_ENV} there (the Helm chart sets it to the pod IP)"
+        )
 
 
 def shared_file_messages(header: rollout_pb2.WeightHeader, path: str | Path) -> list[rollout_pb2.WeightChunk]:

@@ -370,6 +370,8 @@ def test_status_and_metrics(stub, rollout, rollout_client, auth_token_file, hf_m
     status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
     assert status.policy_version == version
     assert status.vocab_size == 128 and status.max_model_len == 512 and status.generated_tokens > 0
+    # One vLLM worker (TP=1), so a broadcast gives this replica one rank; 0 would mean "not reported".
+    assert status.workers == 1 and rollout_client.reported_workers([f"127.0.0.1:{rollout.port}"]) == [1]
     after = scrape(rollout.metrics_port, token)
     assert service_labels(after) == {"rollout"}
 

@@ -54,7 +54,12 @@ class StateDictSender:
 
 def gloo_push(rollout_client, state_dict, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     transport = BroadcastTransport(
-        StateDictSender(state_dict), free_port(), backend="gloo", timeout_s=TIMEOUT_S, bucket_bytes=bucket_bytes
+        StateDictSender(state_dict),
+        free_port(),
+        backend="gloo",
+        timeout_s=TIMEOUT_S,
+        bucket_bytes=bucket_bytes,
+        reported_workers=rollout_client.reported_workers,  # as the learner builds it: the group from GetStatus
     )
     return rollout_client.push_weights(
         lambda: pytest.fail("a broadcast never reads the state dict"), version, transport

@@ -32,8 +32,9 @@ def test_unsupported_dtypes_are_refused_by_name():
 
 
 def test_rank_offsets_leave_rank_zero_to_the_learner():
-    assert rank_offsets(3, 1) == [1, 2, 3]
-    assert rank_offsets(2, 4) == [1, 5]
+    assert rank_offsets([1, 1, 1]) == [1, 2, 3]
+    assert rank_offsets([4, 4]) == [1, 5]
+    assert rank_offsets([2, 1, 4]) == [1, 3, 4]  # replicas of different tensor-parallel sizes
 
 
 def test_a_group_names_a_known_backend():

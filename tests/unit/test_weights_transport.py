@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load
 
 from rlep.common.config import CONFIG_DIR, load_config
+from rlep.common.errors import UserError
 from rlep.common.files import file_digest
 from rlep.rollout.v1 import rollout_pb2
 from rlep.services.learner.config import TrainConfig
@@ -203,13 +205,49 @@ def test_auto_backend_follows_the_device_of_the_learners_rank_0_not_this_process
     assert transport.backend == backend
 
 
-def test_workers_per_replica_default_to_the_replicas_tensor_parallel_size():
-    """TP=2: two replicas make a group of 1 learner + 2 x 2 workers, replica i's workers at ranks i x 2 + 1, + 2."""
-    transport = setup_weight_transport(NcclSyncConfig(backend="gloo"), RecordingSender(), tensor_parallel_size=2)
-    assert transport.workers_per_replica == 2
-    assert transport.group(["a:1", "b:2"]).world_size == 5
-    explicit = NcclSyncConfig(backend="gloo", workers_per_replica=4)
-    assert setup_weight_transport(explicit, RecordingSender(), tensor_parallel_size=2).workers_per_replica == 4
+def reporting(**workers: int):
+    """Replicas' GetStatus `workers` by address (`a=2` is replica "a:1" reporting 2; 0 = an older server)."""
+    return lambda addresses: [workers[address.split(":")[0]] for address in addresses]
+
+
+def rank_layout(transport, addresses) -> tuple[int, list[int]]:
+    """(world size, each replica's rank offset) as the push's calls carry them."""
+    with transport.prepare(STATE, 1, addresses) as push:
+        chunks = [list(messages)[1].nccl_broadcast for messages in push.requests]
+    assert len({c.world_size for c in chunks}) == 1
+    return chunks[0].world_size, [c.rank_offset for c in chunks]
+
+
+def test_the_group_follows_the_workers_each_replica_reports_not_the_learners_engine_config():
+    """Replicas started elsewhere (endpoints.rollout, Helm, compose): the learner's own tensor_parallel_size (1 here)
+    says nothing of theirs. Two TP=2 replicas take ranks 1-2 and 3-4 of 5; mixed sizes 2, 1, 4 take 1, 3, 4 of 8."""
+    two = setup_weight_transport(NcclSyncConfig(backend="gloo"), RecordingSender(), 1, reporting(a=2, b=2))
+    assert rank_layout(two, ["a:1", "b:2"]) == (5, [1, 3])
+    mixed = BroadcastTransport(RecordingSender(), first_port=29650, reported_workers=reporting(a=2, b=1, c=4))
+    assert rank_layout(mixed, ["a:1", "b:2", "c:3"]) == (8, [1, 3, 4])
+    assert mixed.group(["a:1", "b:2", "c:3"]).world_size == 8
+    assert rank_layout(mixed, ["c:3", "b:2"]) == (6, [1, 5])  # another set of replicas: its own group
+
+
+def test_a_workers_per_replica_that_a_replica_contradicts_is_refused_naming_both():
+    config = NcclSyncConfig(backend="gloo", workers_per_replica=2)
+    transport = setup_weight_transport(config, RecordingSender(), reported_workers=reporting(a=2, b=4))
+    with pytest.raises(UserError, match=r"workers_per_replica=2 but rollout replica b:2 reports 4 vLLM workers"):
+        transport.group(["a:1", "b:2"])
+    assert rank_layout(transport, ["a:1"]) == (3, [1])  # agreeing replicas form their group
+
+
+def test_a_replica_that_does_not_report_counts_as_the_config_with_a_warning(caplog):
+    """An older server (GetStatus without `workers`): workers_per_replica when set, else this run's engine config."""
+    older = reporting(a=0, b=2)
+    unset = setup_weight_transport(NcclSyncConfig(backend="gloo"), RecordingSender(), 4, reported_workers=older)
+    with caplog.at_level(logging.WARNING, logger="rlep.services.weights.broadcast"):
+        assert rank_layout(unset, ["a:1", "b:2"]) == (7, [1, 5])
+    assert "rollout replica a:1 does not report its vLLM workers" in caplog.text and "counting 4" in caplog.text
+    assert "b:2" not in caplog.text  # a replica that reports is not warned about
+    configured = NcclSyncConfig(backend="gloo", workers_per_replica=2)
+    transport = setup_weight_transport(configured, RecordingSender(), 4, reported_workers=older)
+    assert rank_layout(transport, ["a:1", "b:2"]) == (5, [1, 3])
 
 
 def test_a_workers_per_replica_other_than_the_started_replicas_tensor_parallel_size_is_refused():

@@ -326,6 +326,10 @@ spec:
         - name: JOB_UID
           valueFrom: { fieldRef: { fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']" } }
         - { name: RLEP_RESUME, value: {{ $l.resume | quote }} }
+        # The weight broadcast's group address (weight_sync.master_address auto): the pod's Ray is held to
+        # loopback and would name 127.0.0.1, where no rollout pod finds the learner.
+        - name: RLEP_NODE_ADDRESS
+          valueFrom: { fieldRef: { fieldPath: status.podIP } }
         {{- with include "rlep.tlsEnv" $root | fromYamlArray }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -196,7 +196,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "model", "requests_in_flight", "max_model_len", "vocab_size", "replica_id", "generated_tokens", "pid", "dtype", "logprobs_mode")
+    __slots__ = ("policy_version", "model", "requests_in_flight", "max_model_len", "vocab_size", "replica_id", "generated_tokens", "pid", "dtype", "logprobs_mode", "workers")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class RolloutStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     model: str
     requests_in_flight: int
@@ -217,4 +218,5 @@ class RolloutStatus(_message.Message):
     pid: int
     dtype: str
     logprobs_mode: str
-    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., dtype: _Optional[str] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
+    workers: int
+    def __init__(self, policy_version: _Optional[int] = ..., model: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., pid: _Optional[int] = ..., dtype: _Optional[str] = ..., logprobs_mode: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
