@@ -15,6 +15,7 @@ an HF causal LM that way; `token_logprobs` / `token_entropy` are the full-vocabu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
@@ -25,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlep.common.types import Group, Source
 from rlep.services.learner.algorithm import KlEstimator, NonFiniteError, flatten_groups, group_advantages, kl_estimate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -211,10 +214,22 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logprobs.exp() * logprobs).sum(-1)
 
 
-# Positions per chunk. A float32 `[1024, 151936]` block is 0.6 GB and a chunk's forward or backward
-# holds ~3 of them; the head's matmul stays large enough to run at full speed (and under ZeRO-3 each
-# chunk's head call re-gathers the head's weight unless DeepSpeed keeps it, so chunks should not be tiny).
+# Positions per chunk at most. A float32 `[1024, 151936]` block is 0.6 GB and a chunk's forward or backward
+# holds ~3 of them; the head's matmul stays large enough to run at full speed.
 SCORE_CHUNK_POSITIONS = 1024
+
+
+def score_chunk_count(max_positions: int, chunk_positions: int = SCORE_CHUNK_POSITIONS) -> int:
+    """How many chunks a run splits every forward's positions into: enough that the largest micro-batch it can
+    make (`max_positions` = rows x row length at most) has <= `chunk_positions` per chunk.
+
+    Why one count for the whole run: ZeRO-3 records the order in which modules run in one forward + backward and
+    prefetches parameters by it; a micro-batch whose head runs a different number of times breaks that trace and
+    DeepSpeed drops it ("Invalidate trace cache"), then fetches every parameter on demand and re-gathers the head
+    for each chunk. With the same count every micro-batch, the trace holds and the head stays gathered across its
+    chunks (DeepSpeed keeps a parameter it will use again soon).
+    """
+    return max(1, -(-max_positions // chunk_positions))
 
 
 def _chunk_scores(
@@ -258,8 +273,11 @@ def token_scores(
     chunk_positions: int = SCORE_CHUNK_POSITIONS,
     entropy_grad: bool = False,
     sampling: LogitProcessing | None = None,
+    chunks: int = 1,
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprob and entropy of every next token, `chunk_positions` positions at a time.
+    """Logprob and entropy of every next token, in `max(chunks, ceil(positions / chunk_positions))` chunks of
+    near-equal size (positions = N x (L-1)): the head runs exactly `chunks` times whenever they hold at most
+    `chunk_positions` each (`score_chunk_count`), whatever the batch's shape; some may be empty.
 
     Values equal `token_logprobs(head(hidden), tokens)` and `token_entropy(head(hidden))`; the
     gradient flows through the logprobs only. When a gradient is needed each chunk runs under
@@ -274,6 +292,7 @@ def token_scores(
         entropy_grad: let the gradient flow through the entropy too (an entropy bonus).
         sampling: a sampler whose distribution to score too (`processed_logprobs`, from the same logits): it
             takes the entropy's place in the result.
+        chunks: how many times the head runs at least (a run's `score_chunk_count`; 1: as many as needed).
 
     Returns:
         `([N, L-1] float32 logprobs, [N, L-1] float32 entropy or None)`; with `sampling`, the processed logprobs in
@@ -284,8 +303,9 @@ def token_scores(
     flat_hidden = hidden[:, :-1].reshape(rows * (length - 1), hidden.shape[-1])  # [N*(L-1), H]
     targets = tokens[:, 1:].reshape(-1)  # [N*(L-1)]
     logprobs, entropy = [], []
-    for start in range(0, targets.numel(), chunk_positions):
-        chunk = (head, flat_hidden[start : start + chunk_positions], targets[start : start + chunk_positions])
+    count = max(chunks, -(-targets.numel() // chunk_positions))
+    for chunk_hidden, chunk_targets in zip(flat_hidden.tensor_split(count), targets.tensor_split(count), strict=True):
+        chunk = (head, chunk_hidden, chunk_targets)
         if torch.is_grad_enabled() and sampling is None:
             lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, entropy_grad, use_reentrant=False)
         else:
@@ -317,7 +337,9 @@ class ScoringModel(torch.nn.Module):
     It is the module handed to DeepSpeed, so the whole computation happens inside the engine's
     forward and the loss depends on the engine's outputs only: DeepSpeed starts its backward
     bookkeeping from hooks on those outputs, and ZeRO-3 gathers the head's weight through the head's
-    own module hooks, chunk by chunk and again when backward recomputes a chunk.
+    own module hooks, chunk by chunk and again when backward recomputes a chunk. Under ZeRO-3 the policy
+    gives it `chunks` (`score_chunk_count`), so the head runs as many times in every micro-batch and
+    DeepSpeed's prefetch trace holds; a batch larger than the run's bound runs more chunks, with a warning.
 
     Models with a plain LM head (`has_plain_lm_head`) run the decoder and `token_scores` over its
     hidden states: full logits are never built. Others (softcapped or scaled logits) fall back to
@@ -326,11 +348,13 @@ class ScoringModel(torch.nn.Module):
     `state_dict` / `load_state_dict` are the model's own, so checkpoints keep HF parameter names.
     """
 
-    def __init__(self, model: torch.nn.Module, chunk_positions: int = SCORE_CHUNK_POSITIONS):
+    def __init__(self, model: torch.nn.Module, chunk_positions: int = SCORE_CHUNK_POSITIONS, chunks: int = 1):
         super().__init__()
         self.model = model
         self.chunk_positions = chunk_positions
+        self.chunks = chunks
         self.plain_head = has_plain_lm_head(model.config)
+        self._warned_over_bound = False
 
     def forward(
         self,
@@ -348,7 +372,19 @@ class ScoringModel(torch.nn.Module):
         else:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             head = torch.nn.Identity()
-        return token_scores(hidden, head, input_ids, with_entropy, self.chunk_positions, entropy_grad, sampling)
+        positions = input_ids.shape[0] * (input_ids.shape[1] - 1)
+        if self.chunks > 1 and positions > self.chunks * self.chunk_positions and not self._warned_over_bound:
+            self._warned_over_bound = True
+            log.warning(
+                "a micro-batch of %d positions exceeds the %d x %d this run's head chunks were sized for: the head "
+                "runs more times there, and ZeRO-3 drops its prefetch trace for it (warned once)",
+                positions,
+                self.chunks,
+                self.chunk_positions,
+            )
+        return token_scores(
+            hidden, head, input_ids, with_entropy, self.chunk_positions, entropy_grad, sampling, chunks=self.chunks
+        )
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)

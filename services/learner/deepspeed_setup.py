@@ -6,10 +6,12 @@ CUDA_VISIBLE_DEVICES), so its device is index 0 whatever its global rank; a laun
 which one with LOCAL_RANK. `local_device_index` decides, and `init_distributed` sets that device before the
 process group starts (NCCL binds a communicator to the current device).
 
-Adam: on CUDA, DeepSpeed's FusedAdam; under optimizer offload, DeepSpeed's CPU Adam; each only where its op is
-prebuilt or can be JIT-built (a compiler is present), else PyTorch's fused AdamW, which needs no build. On a
-CPU machine without offload the learner keeps PyTorch's plain AdamW (DeepSpeed's fused CPU Adam is a ~6 min
-JIT build for a tiny model).
+Adam: on CUDA, DeepSpeed's FusedAdam; under optimizer offload, DeepSpeed's CPU Adam; each only where its op loads
+(prebuilt, or JIT-built here: `load_deepspeed_op` tries it where the choice is made), else PyTorch's fused AdamW,
+which needs no build, with a warning naming why. Whether a build would work cannot be told without trying it:
+DeepSpeed's `is_compatible` is true for these ops wherever they exist, ninja comes with DeepSpeed, and a CUDA
+toolkit of another major version than torch's compiles into an op that fails. On a CPU machine without offload the
+learner keeps PyTorch's plain AdamW (DeepSpeed's fused CPU Adam is a ~6 min JIT build for a tiny model).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -79,9 +80,11 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def choose_adam(
-    preference: Literal["auto", "torch", "deepspeed"], on_cuda: bool, offload: bool, op_ready: Callable[[str], bool]
+    preference: Literal["auto", "torch", "deepspeed"], on_cuda: bool, offload: bool, load_op: Callable[[str], None]
 ) -> AdamKind:
-    """Which Adam the engine gets (module docstring); `op_ready(builder)` says whether a DeepSpeed op can load."""
+    """Which Adam the engine gets (module docstring). `load_op(builder)` loads a DeepSpeed op (`load_deepspeed_op`),
+    building it if need be, and raises, saying why, when it cannot: `auto` then falls back to PyTorch's fused AdamW
+    with a warning, `deepspeed` fails naming the cause."""
     if not on_cuda and not offload:
         if preference == "deepspeed":
             raise ValueError("deepspeed.adam=deepspeed needs CUDA or optimizer offload; on CPUs use auto or torch")
@@ -89,31 +92,35 @@ def choose_adam(
     wanted: AdamKind = "deepspeed_cpu" if offload else "deepspeed_fused"
     if preference == "torch":
         return "torch_fused"
-    if op_ready(ADAM_OPS[wanted]):
-        return wanted
-    if preference == "deepspeed":
-        raise RuntimeError(
-            f"deepspeed.adam=deepspeed: DeepSpeed's {ADAM_OPS[wanted]} op is neither prebuilt nor buildable here "
-            "(install DeepSpeed with DS_BUILD_OPS=1, or a compiler and ninja); deepspeed.adam=auto falls back to torch"
-        )
-    log.info("DeepSpeed's %s op is neither prebuilt nor buildable: using PyTorch's fused AdamW", ADAM_OPS[wanted])
-    return "torch_fused"
+    op = ADAM_OPS[wanted]
+    try:
+        load_op(op)
+    except Exception as error:  # a JIT build fails in many ways (compiler, toolkit, link, import): each means "no"
+        if preference == "deepspeed":
+            raise RuntimeError(
+                f"deepspeed.adam=deepspeed: DeepSpeed's {op} op could not be loaded: {error!r}. Install DeepSpeed with "
+                "DS_BUILD_OPS=1, or a CUDA toolkit of torch's version with a compiler; deepspeed.adam=auto falls back "
+                "to PyTorch's fused AdamW"
+            ) from error
+        log.warning("DeepSpeed's %s op could not be loaded (%r): using PyTorch's fused AdamW instead", op, error)
+        return "torch_fused"
+    return wanted
 
 
-def deepspeed_op_ready(builder_name: str) -> bool:
-    """Whether DeepSpeed's op `builder_name` (e.g. FusedAdamBuilder) is prebuilt, or JIT-buildable here."""
+def load_deepspeed_op(builder_name: str) -> None:
+    """Loads DeepSpeed's op `builder_name` (e.g. FusedAdamBuilder): the prebuilt one, else JIT-built here (minutes,
+    once: later loads come from torch's extension cache, and the engine's own load from DeepSpeed's). Raises when it
+    cannot, naming why; a JIT build of a CUDA op first needs the toolkit's CUDA to be torch's."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
-    from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder, assert_no_cuda_mismatch
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None:
-        return False
-    if installed_ops.get(builder.name, False):
-        return True
-    compiler = CUDA_HOME is not None if isinstance(builder, CUDAOpBuilder) else shutil.which("c++") is not None
-    return compiler and is_ninja_available() and builder.is_compatible(verbose=False)
+        raise RuntimeError(f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator")
+    if isinstance(builder, CUDAOpBuilder) and not installed_ops.get(builder.name, False):
+        assert_no_cuda_mismatch(builder.name)  # raises naming both versions, or that there is no toolkit
+    builder.load()
 
 
 def deepspeed_config(

@@ -82,3 +82,10 @@ def plan_micro_batches(
     count = max(len(plan) for plan in plans)
     mine = _split_to(plans[rank], count)
     return [(pack, 1.0) for pack in mine] + [(rows[:1], 0.0)] * (count - len(mine))
+
+
+def max_micro_batch_tokens(max_rows: int, max_tokens: int | None, longest_row: int) -> int:
+    """The most padded tokens (rows x longest row) a micro-batch of `plan_micro_batches` can hold, for rows of at
+    most `longest_row` tokens: `max_rows` rows of it, or with a token budget the budget (a row over it runs alone)."""
+    most = max_rows * longest_row
+    return most if max_tokens is None else min(most, max(max_tokens, longest_row))

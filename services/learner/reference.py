@@ -24,9 +24,11 @@ from rlep.services.learner.deepspeed_setup import load_model
 log = logging.getLogger(__name__)
 
 
-def load_reference(model_dir: Path, ds: DeepSpeedConfig, ds_config: dict[str, Any], device: torch.device):
-    """The frozen reference as a module whose forward is `ScoringModel`'s: a DeepSpeed engine under ZeRO-3, else
-    a plain module on `device`."""
+def load_reference(
+    model_dir: Path, ds: DeepSpeedConfig, ds_config: dict[str, Any], device: torch.device, head_chunks: int = 1
+):
+    """The frozen reference as a module whose forward is `ScoringModel`'s (its head in `head_chunks` chunks, as the
+    policy's): a DeepSpeed engine under ZeRO-3, else a plain module on `device`."""
     import deepspeed
 
     # Without gradient checkpointing or an optimizer: the reference never trains.
@@ -34,7 +36,7 @@ def load_reference(model_dir: Path, ds: DeepSpeedConfig, ds_config: dict[str, An
     inference = {k: v for k, v in ds_config.items() if k not in ("optimizer", "gradient_clipping")}
     model = load_model(model_dir, frozen, inference)
     model.requires_grad_(False)
-    scorer = ScoringModel(model).eval()
+    scorer = ScoringModel(model, chunks=head_chunks).eval()
     if ds_config["zero_optimization"]["stage"] == 3:
         engine, *_ = deepspeed.initialize(model=scorer, config=inference)
         engine.eval()

@@ -305,6 +305,118 @@ def test_zero3_weights_are_gathered_one_by_one_kept_on_rank_0_and_streamed_to_a_
     assert all(torch.equal(received[k], checkpoint[k]) for k in checkpoint)
 
 
+def _host_bytes_allocated(process, call: str, *args):
+    """Runs `process.policy.<call>(*args)` inside a learner actor (through Ray's `__ray_call__`), counting the bytes
+    of every host tensor it allocates: each op's outputs whose storage none of its inputs shares. Returns (bytes,
+    the call's result)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def host_storages(tree) -> dict[int, int]:
+        tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    class CountAllocations(TorchDispatchMode):
+        allocated = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = host_storages((args, kwargs))
+            self.allocated += sum(size for ptr, size in host_storages(out).items() if ptr not in inputs)
+            return out
+
+    with CountAllocations() as counter:
+        result = getattr(process.policy, call)(*args)
+    return counter.allocated, result
+
+
+def test_outside_zero3_only_rank_0_copies_the_weights_to_the_host(ray_local, model_dir, tmp_path):
+    """state_dict, the broadcast manifest, the HF export and a payload push are sent or saved by rank 0 alone: a
+    rank > 0 makes no host copy of the weights for them (at 7B: 15.2 GB per process), and the manifest needs none
+    on rank 0 either. Counted as the bytes of host tensors each call allocates."""
+    import ray
+
+    from rlep.services.rollout.client import ReplicaTarget
+    from rlep.services.weights.config import AutoSyncConfig
+
+    model_bytes = (model_dir / "model.safetensors").stat().st_size  # 4 MB of float32 weights
+    policy = start_policy(model_dir, stage=2, processes=2)
+    try:
+
+        def on_both(call: str, *args):
+            return ray.get([a.__ray_call__.remote(_host_bytes_allocated, call, *args) for a in policy.actors])
+
+        (rank0_bytes, rank0_state), (rank1_bytes, rank1_state) = on_both("state_dict")
+        assert rank0_state.keys() and rank1_state == {}
+        assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
+        (rank0_bytes, manifest), (rank1_bytes, rank1_manifest) = on_both("weight_manifest")
+        assert [name for name, _ in manifest] == list(rank0_state) and rank1_manifest == []
+        assert rank0_bytes == rank1_bytes == 0
+        (rank0_bytes, _), (rank1_bytes, _) = on_both("save_hf", tmp_path / "hf", model_dir)
+        assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
+        assert (tmp_path / "hf" / "model.safetensors").exists()
+        # A push's payload is rank 0's to send (outside ZeRO-3 no rank waits on another): rank 1 alone is asked.
+        target = ReplicaTarget(addresses=("127.0.0.1:9",), token=None, timeout_s=1.0)
+        rank1_bytes, answer = ray.get(
+            policy.actors[1].__ray_call__.remote(_host_bytes_allocated, "push_weights", target, 1, AutoSyncConfig())
+        )
+        assert answer is None and rank1_bytes == 0
+    finally:
+        policy.close()
+
+
+def _count_trace_invalidations(process) -> None:
+    """From now on, counts in `process.trace_invalidations` each time ZeRO-3 drops its prefetch trace in this actor
+    (what DeepSpeed's "Invalidate trace cache" message reports when its trace-cache warnings are on)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    process.trace_invalidations = 0
+    invalidate = PartitionedParameterCoordinator._invalidate_trace
+
+    def counted(coordinator) -> None:
+        process.trace_invalidations += 1
+        invalidate(coordinator)
+
+    PartitionedParameterCoordinator._invalidate_trace = counted
+
+
+def test_zero3_keeps_its_prefetch_trace_over_micro_batches_of_different_lengths(ray_local, model_dir):
+    """Micro-batches of ~1,300 and ~500 positions (2 and 1 chunks of 1,024 by length alone) run the LM head equally
+    often, so ZeRO-3's trace of one pass still holds for the next: old logprobs and an update drop it once at most
+    (where forward-only passes give way to training ones): 1 here, 2 with the head run as often as each length needs."""
+    import ray
+
+    from rlep.common.types import Group, Source, Trajectory
+    from rlep.services.learner.batch import build_batch
+
+    generator = torch.Generator().manual_seed(3)
+    groups = []
+    for q, lengths in enumerate([(640, 620, 240, 230), (630, 610, 250, 220)]):
+        prompt = tuple(int(t) for t in torch.randint(2, 100, (20,), generator=generator))
+        trajectories = [
+            Trajectory(
+                f"q{q}",
+                "",
+                reward=1.0 if k % 2 else -1.0,
+                source=Source.FRESH,
+                prompt_token_ids=prompt,
+                response_token_ids=tuple(int(t) for t in torch.randint(2, 100, (n,), generator=generator)),
+            )
+            for k, n in enumerate(lengths)
+        ]
+        groups.append(Group(f"q{q}", "0", trajectories))
+    long_rows = build_batch(groups, pad_id=0)
+    policy = start_policy(model_dir, stage=3, processes=1, optim={"micro_batch_size": 2})
+    try:
+        ray.get(policy.actors[0].__ray_call__.remote(_count_trace_invalidations))
+        with_old = long_rows.with_old_logprobs(policy.logprobs(long_rows))  # 4 forward-only micro-batches
+        policy.update(with_old, rows_per_mini_batch=long_rows.size // 2)  # 2 mini-batches x 2 micro-batches
+        invalidations = ray.get(policy.actors[0].__ray_call__.remote(lambda process: process.trace_invalidations))
+    finally:
+        policy.close()
+    assert invalidations <= 1
+
+
 @pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
 def test_a_kl_term_compares_with_the_frozen_starting_weights(ray_local, model_dir, batch, stage, processes):
     """The reference is the starting checkpoint and stays it while the policy trains (partitioned under ZeRO-3);

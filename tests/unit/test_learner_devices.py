@@ -3,10 +3,12 @@ GPUs it asks Ray for (pure logic; the CUDA paths themselves are in tests/gpu/)."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rlep.services.learner.config import TrainConfig
-from rlep.services.learner.deepspeed_setup import choose_adam, deepspeed_config, local_device_index
+from rlep.services.learner.deepspeed_setup import choose_adam, deepspeed_config, load_deepspeed_op, local_device_index
 
 
 def test_a_ray_actor_drives_the_one_gpu_it_sees_whatever_its_rank():
@@ -27,7 +29,7 @@ def test_a_launcher_local_rank_wins_and_is_checked():
     [
         ("auto", False, False, True, "torch"),  # the CPU path: PyTorch's AdamW, as before
         ("auto", True, False, True, "deepspeed_fused"),
-        ("auto", True, False, False, "torch_fused"),  # no prebuilt op, no nvcc: no build at start
+        ("auto", True, False, False, "torch_fused"),  # the op did not load: no DeepSpeed Adam
         ("auto", True, True, True, "deepspeed_cpu"),
         ("auto", False, True, False, "torch_fused"),
         ("torch", True, False, True, "torch_fused"),
@@ -37,20 +39,60 @@ def test_a_launcher_local_rank_wins_and_is_checked():
 def test_adam_choice(preference, cuda, offload, ready, expected):
     asked = []
 
-    def op_ready(name: str) -> bool:
+    def load_op(name: str) -> None:
         asked.append(name)
-        return ready
+        if not ready:
+            raise RuntimeError("no op here")
 
-    assert choose_adam(preference, cuda, offload, op_ready) == expected
+    assert choose_adam(preference, cuda, offload, load_op) == expected
     if expected.startswith("deepspeed"):
         assert asked == ["CPUAdamBuilder" if offload else "FusedAdamBuilder"]
 
 
-def test_adam_deepspeed_without_its_op_fails_naming_the_op():
-    with pytest.raises(RuntimeError, match="FusedAdamBuilder"):
-        choose_adam("deepspeed", True, False, lambda name: False)
+def test_adam_deepspeed_without_its_op_fails_naming_the_op_and_why():
+    def fails(name: str) -> None:
+        raise OSError("nvcc: not found")
+
+    with pytest.raises(RuntimeError, match="FusedAdamBuilder op could not be loaded: OSError.*nvcc: not found"):
+        choose_adam("deepspeed", True, False, fails)
     with pytest.raises(ValueError, match="needs CUDA or optimizer offload"):
-        choose_adam("deepspeed", False, False, lambda name: True)
+        choose_adam("deepspeed", False, False, lambda name: None)
+
+
+@pytest.fixture
+def cpu_adam_builder():
+    """The class of DeepSpeed's own CPU Adam builder on this machine (what optimizer offload asks for)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    return type(get_accelerator().create_op_builder("CPUAdamBuilder"))
+
+
+def test_an_op_that_fails_to_load_falls_back_to_torchs_fused_adam_with_a_warning(cpu_adam_builder, monkeypatch, caplog):
+    """Here a compiler and ninja exist, so DeepSpeed would try a JIT build: when that build fails, `auto` must not
+    pick the op anyway (the engine would fail at start) but fall back, saying why."""
+    attempts = []
+
+    def failing_load(self, verbose=False):
+        attempts.append(self.name)
+        raise RuntimeError("Error building extension 'cpu_adam'")
+
+    monkeypatch.setattr(cpu_adam_builder, "load", failing_load)
+    with caplog.at_level(logging.WARNING, logger="rlep.services.learner.deepspeed_setup"):
+        assert choose_adam("auto", False, True, load_deepspeed_op) == "torch_fused"
+    assert attempts == ["cpu_adam"]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "CPUAdamBuilder" in warned[0].getMessage()
+    assert "Error building extension 'cpu_adam'" in warned[0].getMessage()
+    with pytest.raises(RuntimeError, match="CPUAdamBuilder op could not be loaded.*Error building extension"):
+        choose_adam("deepspeed", False, True, load_deepspeed_op)
+
+
+def test_an_op_that_loads_is_used(cpu_adam_builder, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(cpu_adam_builder, "load", lambda self, verbose=False: loaded.append(self.name))
+    assert choose_adam("auto", False, True, load_deepspeed_op) == "deepspeed_cpu"
+    assert loaded == ["cpu_adam"]
 
 
 def test_torch_adams_reach_torch_through_deepspeeds_config():

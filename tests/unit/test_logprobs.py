@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep.services.learner.batch import ScoringModel, has_plain_lm_head, token_entropy, token_logprobs, token_scores
+from rlep.services.learner.batch import (
+    ScoringModel,
+    has_plain_lm_head,
+    score_chunk_count,
+    token_entropy,
+    token_logprobs,
+    token_scores,
+)
+from rlep.services.learner.micro_batch_plan import max_micro_batch_tokens
 
 
 def _head_inputs(rows: int = 3, length: int = 11, hidden: int = 8, vocab: int = 50, seed: int = 0):
@@ -150,3 +158,47 @@ def test_bf16_model_scores_match_its_full_logits():
     # bf16 matmuls over a different number of rows may round differently: agreement to bf16 precision.
     torch.testing.assert_close(logprobs, token_logprobs(logits, tokens), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(entropy, token_entropy(logits), atol=2e-2, rtol=2e-2)
+
+
+def test_the_head_runs_as_often_in_every_micro_batch_of_a_run():
+    """ZeRO-3 prefetches by the order modules ran in the last forward + backward: micro-batches of different lengths
+    must run the head the same number of times (forward and backward's recompute), or DeepSpeed drops the trace.
+    Values and gradients stay those of the full logits, empty chunks included (4 positions in 5 chunks)."""
+    model = _tiny_qwen2(tie=False)
+    chunks = score_chunk_count(max_micro_batch_tokens(max_rows=3, max_tokens=None, longest_row=12), 8)
+    assert chunks == 5  # 3 rows x 12 tokens in chunks of <= 8 positions
+    scorer = ScoringModel(model, chunk_positions=8, chunks=chunks)
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    gen = torch.Generator().manual_seed(5)
+    runs = []
+    for rows, length in [(1, 5), (2, 9), (3, 12)]:  # 4, 16 and 33 positions
+        tokens = torch.randint(0, model.config.vocab_size, (rows, length), generator=gen)
+        attention = torch.ones_like(tokens)
+        calls.clear()
+        model.zero_grad()
+        logprobs, _ = scorer(input_ids=tokens, attention_mask=attention)
+        logprobs.sum().backward()
+        runs.append(len(calls))
+        assert sum(calls) == 2 * rows * (length - 1)  # every position once forward, once in backward's recompute
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        reference = token_logprobs(model(input_ids=tokens, attention_mask=attention).logits, tokens)
+        reference.sum().backward()
+        torch.testing.assert_close(logprobs, reference, atol=1e-5, rtol=1e-5)
+        for got, param in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad, atol=1e-5, rtol=1e-4)
+    assert runs == [2 * chunks] * 3
+
+
+def test_a_zero3_run_sizes_its_head_chunks_for_its_largest_micro_batch():
+    from rlep.common.config import CONFIG_DIR, load_config
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.learner.policy import head_chunks
+
+    recipe = load_config(TrainConfig, CONFIG_DIR / "recipes" / "rlep.yaml")
+    assert head_chunks(recipe) == 16  # 4 rows x (1,024 + 3,072) tokens / 1,024 positions per chunk
+    budget = recipe.model_copy(update={"optim": recipe.optim.model_copy(update={"micro_batch_tokens": 6000})})
+    assert head_chunks(budget) == 6  # the token budget bounds a micro-batch: 6,000 / 1,024 -> 6
+    zero2 = recipe.model_copy(update={"deepspeed": recipe.deepspeed.model_copy(update={"zero_stage": 2})})
+    assert head_chunks(zero2) == 1  # no prefetch trace to keep: as many 1,024-position chunks as a batch needs

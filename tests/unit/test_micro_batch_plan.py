@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlep.services.learner.micro_batch_plan import deal_rows, pack_rows, plan_micro_batches
+from rlep.services.learner.micro_batch_plan import deal_rows, max_micro_batch_tokens, pack_rows, plan_micro_batches
 
 
 def _lengths(seed: int = 0, rows: int = 37) -> torch.Tensor:
@@ -28,6 +28,8 @@ def test_every_row_runs_once_and_every_process_runs_as_many_passes(world, max_to
             padded = int(lengths[micro].max()) * micro.numel()
             # A micro-batch over the budget only holds a row too long to share (or a split of one that fit).
             assert max_tokens is None or padded <= max_tokens or micro.numel() == 1
+            # The bound the run sizes its LM-head chunks by (policy.py, `head_chunks`) holds for every micro-batch.
+            assert padded <= max_micro_batch_tokens(4, max_tokens, longest_row=int(lengths.max()))
 
 
 def test_token_budget_packs_short_rows_together_and_long_rows_alone():
