@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.common.files import read_token_file
-from rlep.services.rollout.config import SERVICE_PATTERN
+from rlep.services.rollout.config import SERVICE_PATTERN, GenerateDeadline
 
 DEFAULT_PORT = 8080
 DEFAULT_ROLLOUT_ADDRESS = "127.0.0.1:50063"  # `rlep serve rollout` on this host
@@ -57,7 +57,11 @@ class RolloutEndpoints(_WithTokenFile):
     """Or `NAME:PORT`: a DNS name resolving to every replica's IP (Kubernetes: a headless Service), resolved
     again before every job (services/rollout/discovery.py). Set this or `addresses`."""
     timeout_s: float = Field(1800.0, gt=0)
-    """Deadline of one Generate call (one chunk of questions) and of one weight push."""
+    """Deadline of one weight push (a checkpoint evaluation's)."""
+    generate_deadline: GenerateDeadline = GenerateDeadline(floor_s=1800.0)
+    """Deadline of one Generate call (one chunk of questions), from its size: 1,800 s (a call may queue behind
+    the learner's on a deployment they share) + 0.2 s per thousand tokens the call may sample (docs/scaling.md,
+    *Generate deadline*)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> RolloutEndpoints:

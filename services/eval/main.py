@@ -70,7 +70,11 @@ class RunningEval:
 
 def build_backends(config: EvalConfig) -> Backends:
     def rollout_client(endpoints) -> RolloutClient:
-        options = {"token": endpoints.read_auth_token(), "timeout_s": endpoints.timeout_s}
+        options = {
+            "token": endpoints.read_auth_token(),
+            "timeout_s": endpoints.timeout_s,
+            "generate_deadline": endpoints.generate_deadline,
+        }
         if endpoints.service:
             return RolloutClient.from_service(endpoints.service, **options)  # resolved again before every job
         return RolloutClient(endpoints.names(), **options)

@@ -88,13 +88,14 @@ class ServiceStack:
             check_gpus_fit(local, self.config.deepspeed.num_processes, cluster_gpus, start_rollout)
         except ValueError as err:
             raise UserError(str(err)) from None
+        options = {"token": self.token, "generate_deadline": endpoints.generate_deadline}
         if endpoints.rollout:
-            rollout = RolloutClient(endpoints.rollout, token=self.token)
+            rollout = RolloutClient(endpoints.rollout, **options)
         elif endpoints.rollout_service:
-            rollout = RolloutClient.from_service(endpoints.rollout_service, token=self.token)  # re-resolved per step
+            rollout = RolloutClient.from_service(endpoints.rollout_service, **options)  # re-resolved per step
         else:
             self._start_rollout(auth, rollout_gpus(local, cluster_gpus))
-            rollout = RolloutClient.from_ray(self.app_name, token=self.token)  # refresh() follows restarts
+            rollout = RolloutClient.from_ray(self.app_name, **options)  # refresh() follows restarts
         verifier_address = endpoints.verifier or self._start_actor(
             "verifier", {"num_workers": local.verifier_workers, "server": auth}
         )

@@ -20,7 +20,7 @@ from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.learner.algorithm import LossAgg, LossSettings
 from rlep.services.learner.mismatch import Correction
 from rlep.services.replay.client import Strategy
-from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, port_range_error
+from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, GenerateDeadline, port_range_error
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
@@ -184,9 +184,9 @@ class DeepSpeedConfig(StrictModel):
     per micro-batch for about one more forward pass of compute."""
     adam: Literal["auto", "torch", "deepspeed"] = "auto"
     """The AdamW implementation (deepspeed_setup.py). `auto`: DeepSpeed's FusedAdam on CUDA and its CPU Adam under
-    `offload_optimizer`, where the op is prebuilt or can be JIT-built here, else PyTorch's fused AdamW; on a CPU
-    machine without offload PyTorch's AdamW. `torch`: PyTorch's AdamW always (fused on CUDA or under offload).
-    `deepspeed`: DeepSpeed's op or fail."""
+    `offload_optimizer`, where the op loads (prebuilt, or JIT-built at start), else PyTorch's fused AdamW with a
+    warning naming why; on a CPU machine without offload PyTorch's AdamW. `torch`: PyTorch's AdamW always (fused on
+    CUDA or under offload). `deepspeed`: DeepSpeed's op or fail, naming why."""
 
 
 class CheckpointConfig(StrictModel):
@@ -221,6 +221,9 @@ class EndpointsConfig(StrictModel):
     service_outage_s: float = Field(120.0, ge=0)
     """How long the learner waits out a verifier or replay service that does not answer (a container or pod
     restarting): its calls are retried with backoff, each retry logged, and the run fails only after this long."""
+    generate_deadline: GenerateDeadline = GenerateDeadline()
+    """Deadline of each Generate call to the rollout replicas (these or those `rlep train` starts), from the call's
+    size; a call past it is retried on another replica (docs/scaling.md, *Generate deadline*)."""
 
 
 class LocalServicesConfig(StrictModel):

