@@ -33,7 +33,7 @@ def pytest_sessionstart(session):
     gRPC tests had left their threads in the worker and while the other worker held a Ray of its own, its raylet never
     came up ("The current node timed out during startup": 38 errors in one two-worker run, none in serial runs or
     with this). The `ray_local` fixture then finds it started."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(session.config, "workerinput"):  # this process is a worker (the env var also reaches pytest it starts)
         from rlep.common.ray_local import init_ray
 
         init_ray(num_cpus=2)

@@ -275,9 +275,9 @@ def token_scores(
     sampling: LogitProcessing | None = None,
     chunks: int = 1,
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprob and entropy of every next token, in `max(chunks, ceil(positions / chunk_positions))` chunks of
-    near-equal size (positions = N x (L-1)): the head runs exactly `chunks` times whenever they hold at most
-    `chunk_positions` each (`score_chunk_count`), whatever the batch's shape; some may be empty.
+    """Logprob and entropy of every next token, `chunk_positions` positions at a time (positions = N x (L-1)), in
+    `max(chunks, ceil(positions / chunk_positions))` chunks: the head runs exactly `chunks` times whenever they hold
+    the positions (`score_chunk_count`), whatever the batch's shape; the last ones may be empty.
 
     Values equal `token_logprobs(head(hidden), tokens)` and `token_entropy(head(hidden))`; the
     gradient flows through the logprobs only. When a gradient is needed each chunk runs under
@@ -303,8 +303,13 @@ def token_scores(
     flat_hidden = hidden[:, :-1].reshape(rows * (length - 1), hidden.shape[-1])  # [N*(L-1), H]
     targets = tokens[:, 1:].reshape(-1)  # [N*(L-1)]
     logprobs, entropy = [], []
-    count = max(chunks, -(-targets.numel() // chunk_positions))
-    for chunk_hidden, chunk_targets in zip(flat_hidden.tensor_split(count), targets.tensor_split(count), strict=True):
+    positions = targets.numel()
+    pieces = [(flat_hidden[i : i + chunk_positions], targets[i : i + chunk_positions])
+              for i in range(0, positions, chunk_positions)]  # fmt: skip
+    # Fixed-size slices, as before the count was fixed: the same matmul shapes give bit-identical scores outside
+    # ZeRO-3 (near-equal splits moved the demo's table). Empty chunks make up the count: the head still runs.
+    pieces += [(flat_hidden[positions:], targets[positions:])] * (chunks - len(pieces))
+    for chunk_hidden, chunk_targets in pieces:
         chunk = (head, chunk_hidden, chunk_targets)
         if torch.is_grad_enabled() and sampling is None:
             lp, ent = checkpoint(_chunk_scores, *chunk, with_entropy, entropy_grad, use_reentrant=False)
