@@ -17,12 +17,12 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlep.common.files import read_token_file
+from rlep.common.redaction import redact_url
 
 # The default configs and the paper's recipes: `configs/` in a checkout, package data (`rlep.configs`) when installed.
 CONFIG_DIR = Path(importlib.util.find_spec("rlep.configs").submodule_search_locations[0])
@@ -77,12 +77,25 @@ class ServerConfig(TlsFiles):
     """Largest request accepted; larger ones get INVALID_ARGUMENT."""
     grpc_threads: int = Field(16, ge=2, le=1024)
     """Threads handling RPCs concurrently."""
+    max_inflight_request_bytes: int | None = Field(None, gt=0)
+    """Request bytes (serialized) the calls being handled may hold at once; a call that would pass it gets
+    RESOURCE_EXHAUSTED (retryable), so large messages cannot take the memory and threads health and small calls
+    need (rlep_common/grpc_interceptors.py). A call is admitted whatever its size when nothing is held.
+    None = twice `max_request_bytes` (128 MiB by default)."""
     max_streams_per_method: int | None = Field(None, ge=1)
-    """Request streams (ImportPool, UpdateWeights) of one method served at once; more get RESOURCE_EXHAUSTED, so
-    streams never take the threads the health check and other calls need (rlep_common/stream_guard.py).
+    """Streams (ImportPool, UpdateWeights, ExportPool) of one method served at once; more get RESOURCE_EXHAUSTED,
+    so streams never take the threads the health check and other calls need (rlep_common/stream_guard.py).
     None = a quarter of `grpc_threads` (4 of 16)."""
     stream_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
-    """A request stream whose client sends nothing for this long while the server waits for it is cancelled."""
+    """A stream stalled on its client this long is cancelled: the server waits for a message the client does not
+    send (a message that carries nothing does not count), or cannot write a response the client does not read."""
+    stream_max_duration_s: float = Field(4 * 3600.0, gt=0)
+    """A stream open this long is cancelled however it behaves (one trickling just under the idle timeout too).
+    Generous: a full pool export or a large weight push takes minutes."""
+
+    @property
+    def inflight_request_bytes(self) -> int:
+        return self.max_inflight_request_bytes or 2 * self.max_request_bytes
 
     @property
     def stream_slots(self) -> int:
@@ -216,11 +229,6 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-MASK = "***"
-# Query parameters that carry credentials in the URLs we take (redis-py reads `?password=`).
-SECRET_QUERY_KEYS = ("password", "passwd", "token", "secret")
-
-
 def redact_secrets(value: Any) -> Any:
     """A copy of JSON-like `value` in which every URL's password (user-info or `?password=`) reads `***`."""
     if isinstance(value, dict):
@@ -228,24 +236,8 @@ def redact_secrets(value: Any) -> Any:
     if isinstance(value, list):
         return [redact_secrets(v) for v in value]
     if isinstance(value, str) and "://" in value:
-        return _redact_url(value)
+        return redact_url(value)
     return value
-
-
-def _redact_url(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # not a URL after all (e.g. a bad port): leave it
-        return url
-    if password:
-        parts = parts._replace(netloc=f"{parts.username or ''}:{MASK}@{parts.netloc.rpartition('@')[2]}")
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        masked = [(k, MASK if any(s in k.lower() for s in SECRET_QUERY_KEYS) else v) for k, v in pairs]
-        if masked != pairs:
-            parts = parts._replace(query=urlencode(masked, safe="*"))
-    return urlunsplit(parts)
 
 
 def dump_config_json(config: BaseModel) -> str:

@@ -1,4 +1,5 @@
-"""The server-side interceptors every gRPC server shares: bearer-token auth and a count of calls by final status.
+"""The server-side interceptors every gRPC server shares: bearer-token auth, a count of calls by final status and a
+bound on the request bytes calls hold at once.
 
 Both wrap a handler by rebuilding it with gRPC's factory for its streaming shape (`HANDLER_KINDS`, also used by
 `rlep.common.stream_guard` and `rlep.common.grpc_server`). Health checks are exempt from auth because Kubernetes'
@@ -8,7 +9,8 @@ gRPC probes cannot send headers; they reveal nothing but "SERVING". The rule dec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -115,3 +117,103 @@ def _counted_stream(behaviour: Callable, count: Callable[[grpc.StatusCode], None
         count(_final_code(context, grpc.StatusCode.OK))
 
     return handler
+
+
+class RequestBytesInterceptor(grpc.ServerInterceptor):
+    """Bounds the request bytes (serialized size) that this server's calls hold at once; a call whose request would
+    pass `limit_bytes` gets RESOURCE_EXHAUSTED, so a burst of large messages cannot take the memory and the threads
+    that health and small calls need.
+
+    A unary request is held for its whole call (a response stream's too); a request stream holds the message it is
+    working on, from the moment the handler pulls it until it pulls the next. gRPC has received a message before any
+    handler sees it, so the bound is on what is parsed and processed, not on what arrives. A call is admitted
+    whatever its size when nothing is held, so a message at the channel's limit is never refused forever. Health
+    checks are exempt.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self._limit, self._held, self._lock = limit_bytes, 0, threading.Lock()
+
+    def _take(self, request: Any, context: grpc.ServicerContext) -> int:
+        size = len(request) if isinstance(request, bytes | memoryview) else request.ByteSize()
+        with self._lock:
+            held = self._held
+            if not held or held + size <= self._limit:
+                self._held += size
+                return size
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this server is handling {held} bytes of requests; {size} more would pass its bound of {self._limit} "
+            "(max_inflight_request_bytes); retry later",
+        )
+
+    def _give(self, size: int) -> None:
+        with self._lock:
+            self._held -= size
+
+    def _charged(self, requests: Iterable[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """`requests`, each charged from the moment it is pulled until the next is pulled or the call ends."""
+        held = 0
+        try:
+            for request in requests:
+                self._give(held)
+                held = 0
+                held = self._take(request, context)
+                yield request
+        finally:
+            self._give(held)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return handler
+        behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        if handler.request_streaming:
+            charge_call = _no_charge
+            arguments = self._charged
+        else:
+            charge_call = self._take
+            arguments = _as_is
+        wrapped = _with_charge(behaviour, handler.response_streaming, charge_call, arguments, self._give)
+        return HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)](
+            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def _no_charge(request: Any, context: grpc.ServicerContext) -> int:
+    return 0
+
+
+def _as_is(request: Any, context: grpc.ServicerContext) -> Any:
+    return request
+
+
+def _with_charge(behaviour: Callable, response_streaming: bool, charge_call, arguments, give) -> Callable:
+    """`behaviour` holding `charge_call(request)` bytes for the call's whole life (responses streamed included),
+    and seeing its request through `arguments` (a request stream charged message by message)."""
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        size = charge_call(request, context)
+        argument = arguments(request, context)
+        try:
+            return behaviour(argument, context)
+        finally:
+            _close(argument)
+            give(size)
+
+    def streamed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        size = charge_call(request, context)
+        argument = arguments(request, context)
+        try:
+            yield from behaviour(argument, context)
+        finally:
+            _close(argument)
+            give(size)
+
+    return streamed if response_streaming else unary
+
+
+def _close(argument: Any) -> None:
+    """Ends a charged request stream the handler stopped reading, which gives back its message's bytes."""
+    if isinstance(argument, Iterator) and hasattr(argument, "close"):
+        argument.close()

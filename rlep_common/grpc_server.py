@@ -2,7 +2,7 @@
 
 Every server gets the same things: health checking (`grpc.health.v1`), reflection, an optional bearer token on
 every RPC (`rlep.common.grpc_interceptors`), the stream guard (`rlep.common.stream_guard`), optional TLS
-(`rlep.common.tls`) and a bound on message size.
+(`rlep.common.tls`), a bound on message size and one on the request bytes calls hold at once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlep.common.config import ServerConfig
-from rlep.common.grpc_interceptors import HANDLER_KINDS, HEALTH_SERVICE, BearerAuthInterceptor
+from rlep.common.grpc_interceptors import (
+    HANDLER_KINDS,
+    HEALTH_SERVICE,
+    BearerAuthInterceptor,
+    RequestBytesInterceptor,
+)
 from rlep.common.stream_guard import StreamGuardInterceptor
 from rlep.common.tls import grpc_server_credentials
 
@@ -82,9 +87,11 @@ def build_server(
     """Creates, binds and starts a server; `interceptors` run after the auth check.
     Returns `(server, bound_port, health_servicer)`."""
     token = config.read_auth_token()
-    # Outermost first: auth, then the caller's (counting sees the guard's RESOURCE_EXHAUSTED), then the stream guard.
-    guard = StreamGuardInterceptor(config.stream_slots, config.stream_idle_timeout_s)
-    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors, guard]
+    # Outermost first: auth, then the caller's (counting sees the RESOURCE_EXHAUSTED of the next two), then the bound
+    # on request bytes held, then the stream guard.
+    guard = StreamGuardInterceptor(config.stream_slots, config.stream_idle_timeout_s, config.stream_max_duration_s)
+    request_bytes = RequestBytesInterceptor(config.inflight_request_bytes)
+    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors, request_bytes, guard]
     limit = config.max_request_bytes * CHANNEL_LIMIT_FACTOR
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),

@@ -18,6 +18,9 @@ from rlep.services.replay.types import PoolNotFound
 
 # One step's Sample is ~1 MB and milliseconds; adds and stats on a big pool take longer.
 DEFAULT_TIMEOUT_S = 60.0
+# A whole export or import of a big pool takes minutes; the deadline only ends a stream whose server went silent
+# (half open) instead of waiting forever. The server ends streams at its own bound (`stream_max_duration_s`, 4 h).
+DEFAULT_STREAM_TIMEOUT_S = 4 * 3600.0
 STRATEGY_TO_PROTO = {
     Strategy.UNIFORM: replay_pb2.UNIFORM,
     Strategy.RECENCY: replay_pb2.RECENCY,
@@ -41,12 +44,19 @@ def sampled_trajectories(sample: replay_pb2.QuestionSample) -> list[Trajectory]:
 
 class ReplayClient:
     def __init__(
-        self, address: str, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, outage_s: float = 0.0
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        outage_s: float = 0.0,
+        stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S,
     ):
-        """`outage_s`: how long a call keeps retrying a server that does not answer (call_with_retry)."""
+        """`timeout_s`: the deadline of each unary call; `stream_timeout_s`: of a whole export or import;
+        `outage_s`: how long a call keeps retrying a server that does not answer (call_with_retry)."""
         self._channel = make_channel(address, token)
         self.stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
         self._timeout_s = timeout_s
+        self._stream_timeout_s = stream_timeout_s
         self._outage_s = outage_s
 
     def _call(self, method, request):
@@ -102,10 +112,10 @@ class ReplayClient:
 
     def export(self, pool: str, questions_per_chunk: int = 256) -> Iterator[replay_pb2.PoolChunk]:
         request = replay_pb2.ExportPoolRequest(pool=pool, questions_per_chunk=questions_per_chunk)
-        yield from self.stub.ExportPool(request, timeout=None)  # a stream: as long as the pool needs
+        yield from self.stub.ExportPool(request, timeout=self._stream_timeout_s)
 
     def import_chunks(self, chunks: Iterable[replay_pb2.PoolChunk]) -> replay_pb2.AddTrajectoriesResponse:
-        return self.stub.ImportPool(iter(chunks), timeout=None)
+        return self.stub.ImportPool(iter(chunks), timeout=self._stream_timeout_s)
 
     def close(self) -> None:
         self._channel.close()

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from rlep.common.grpc_validation import check_request_size
 from rlep.common.metrics import MetricFactory
+from rlep.common.stream_guard import no_progress
 from rlep.common.types import trajectory_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
@@ -237,6 +238,10 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         for chunk in request_iterator:
             keep_going()
             pool = import_pool_name(pool, chunk)
+            if not chunk.questions and not chunk.trajectories:
+                # Naming the pool is no progress: chunks of nothing sent just under the idle timeout would
+                # otherwise hold a stream slot (and a thread) for as long as the client likes.
+                no_progress()
             check_request_size(chunk, context, self.config.server.max_request_bytes)
             reply = self._add(pool, chunk.trajectories, chunk.questions)
             offset = total.added + total.duplicate + total.rejected
