@@ -5,28 +5,36 @@ An item is `{"response", "ground_truth", "extra", "data_source"}`; its answer a 
 1 the body is one item and the answer one answer; above 1 the body is a JSON list of up to `batch_size` items and
 the answer must be a list of as many answers, in order (a reward model scores a batch in one forward pass, as
 OpenRLHF's remote reward model takes one). In a batch's answer an entry that is not a score is that item's ERROR, a
-list of the wrong length every item's. What bounds a request: `timeout_s` per connect and per read, the whole answer
-read within `timeout_s` (plus one read), at most `max_response_bytes` per item, `1 + retries` attempts,
-`max_concurrency` requests at once. Retried: 5xx, 429, timeouts and connection errors, after `backoff_s`, doubled
-each time. Not retried: other 4xx (a wrong token stays wrong), redirects (never followed: they would carry the token
-elsewhere), bad bodies. Every failure is its items' ERROR verdict (TIMEOUT when the last attempt timed out); the
-call goes on.
+list of the wrong length every item's. What bounds a request: `timeout_s` for the whole of one attempt (connect,
+request, status and headers, body: a watchdog cuts the connection at the deadline, so a server dripping one byte at a
+time cannot stretch it), at most `max_response_bytes` per item, JSON nested at most `MAX_JSON_DEPTH` deep,
+`1 + retries` attempts, `max_concurrency` requests at once. Retried: 5xx, 429, timeouts and connection errors, after
+`backoff_s`, doubled each time. Not retried: other 4xx (a wrong token stays wrong), redirects (never followed: they
+would carry the token elsewhere), bad bodies. Every failure, an unexpected exception included, is its items' ERROR
+verdict (TIMEOUT when the last attempt timed out); the call goes on.
 
-The bearer token is read from its file once, at start, and is never logged; logs name the URL and status only.
-Proxies from the environment are not used: the scorer's URL is reached directly.
+The bearer token is read from its file once, at start, and is never logged; logs name the URL with its password
+masked (`redact_url`) and the status only. A URL's user-info (`https://user:password@host/`) is sent as basic auth
+unless a token file is given. Proxies from the environment are not used: the scorer's URL is reached directly.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
 import json
 import logging
+import socket
+import ssl
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import unquote, urlsplit
 
 from rlep.common.files import read_token_file
+from rlep.common.redaction import redact_url
 from rlep.common.strict_json import strict_loads
 from rlep.common.types import Verdict
 from rlep.services.verifier.config import HttpScorer
@@ -47,11 +55,6 @@ class _Retryable(Exception):
         self.timed_out = timed_out
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None  # urllib then raises the 3xx as an HTTPError
-
-
 class RemoteScorer:
     """Scores items with one HTTP scorer; `submit` fills positions of a `VerifyBatch` from its own threads.
 
@@ -67,9 +70,19 @@ class RemoteScorer:
     ):
         self._spec, self._data_source, self._max_answer_chars = spec, data_source, max_answer_chars
         self._on_skip = on_skip or (lambda: None)
-        token = read_token_file(spec.auth_token_file)
-        self._headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+        self._where = redact_url(spec.url)  # what logs name: never the URL's password
+        parts = urlsplit(spec.url)
+        self._host, self._port, self._tls = parts.hostname or "", parts.port, parts.scheme == "https"
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._headers = {"content-type": "application/json"}
+        if parts.username is not None:  # user-info is credentials for basic auth, as curl and requests read it
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            self._headers["authorization"] = f"Basic {base64.b64encode(pair).decode()}"
+        if token := read_token_file(spec.auth_token_file):
+            if parts.username is not None:
+                log.warning("http scorer %s: auth_token_file is given, so the URL's user-info is not sent", self._where)
+            self._headers["authorization"] = f"Bearer {token}"
+        self._tls_context = ssl.create_default_context() if self._tls else None
         self._executor = ThreadPoolExecutor(spec.max_concurrency, thread_name_prefix="http-scorer")
 
     def submit(self, batch: VerifyBatch, items: Sequence[tuple[int, tuple[str, str, str]]]) -> None:
@@ -84,7 +97,11 @@ class RemoteScorer:
             for _ in chunk:
                 self._on_skip()
             return
-        results = self.score_many([item for _, item in chunk], cancelled=lambda: batch.cancelled)
+        try:
+            results = self.score_many([item for _, item in chunk], cancelled=lambda: batch.cancelled)
+        except Exception:  # a bug here must not leave the batch waiting for positions nobody will fill
+            log.exception("http scorer %s: scoring %d items failed", self._where, len(chunk))
+            results = [CheckResult(Verdict.ERROR, "", 0.0) for _ in chunk]
         for (index, _), result in zip(chunk, results, strict=True):
             batch.set_result(index, result)
 
@@ -121,11 +138,11 @@ class RemoteScorer:
                 answer = self._post(body, self._spec.max_response_bytes * len(items))
                 answers = self._answers(answer, len(items)) if batched else [answer]
             except _Retryable as err:
-                log.warning("http scorer %s: attempt %d failed: %s", self._spec.url, attempt + 1, err)
+                log.warning("http scorer %s: attempt %d failed: %s", self._where, attempt + 1, err)
                 failure = Verdict.TIMEOUT if err.timed_out else Verdict.ERROR
                 continue
-            except ValueError as err:  # a 4xx, a redirect, or a body that is not a score: retrying will not help
-                log.warning("http scorer %s: %s", self._spec.url, err)
+            except Exception as err:  # a 4xx, a redirect, a body that is not a score: retrying will not help
+                log.warning("http scorer %s: %s", self._where, err)
                 failure = Verdict.ERROR
                 break
             seconds = (time.perf_counter() - started) / len(items)
@@ -144,36 +161,68 @@ class RemoteScorer:
         """One item's answer as its result: ERROR when it is not a score (the other items of its batch stand)."""
         try:
             score, extracted = score_of(answer, self._max_answer_chars)
-        except ValueError as err:
-            log.warning("http scorer %s: %s", self._spec.url, err)
+        except Exception as err:  # not a score; or one that overflows a float (`1` and 400 zeros)
+            log.warning("http scorer %s: %s", self._where, err)
             return CheckResult(Verdict.ERROR, "", seconds)
         return CheckResult(verdict_of(score, self._spec.success_threshold), extracted, seconds, score)
 
     def _post(self, body: bytes, max_bytes: int) -> object:
-        """The parsed answer; `_Retryable` or ValueError (see `_request`)."""
-        spec = self._spec
-        request = urllib.request.Request(spec.url, data=body, headers=self._headers, method="POST")
+        """The parsed answer within one `timeout_s`; `_Retryable` or ValueError (see `_request`)."""
+        timeout_s = self._spec.timeout_s
+        if self._tls:
+            connection = http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout_s, context=self._tls_context
+            )
+        else:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # Socket timeouts bound each read, not their sum: at the deadline the watchdog shuts the socket down, which
+        # ends a read in progress (a status line or a body dripped one byte at a time).
+        expired, connected, reply = threading.Event(), [], None
+        watchdog = threading.Timer(timeout_s, _cut, (connection, connected, expired))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            with self._opener.open(request, timeout=spec.timeout_s) as reply:
-                text = _read_bounded(reply, max_bytes, time.monotonic() + spec.timeout_s)
-        except urllib.error.HTTPError as err:
-            if err.code >= 500 or err.code == 429:
-                raise _Retryable(f"HTTP {err.code}") from None
-            raise ValueError(f"HTTP {err.code}; not retried") from None
-        except TimeoutError as err:
-            raise _Retryable(f"timed out after {spec.timeout_s:g} s", timed_out=True) from err
-        except urllib.error.URLError as err:
-            timed_out = isinstance(err.reason, TimeoutError)
-            raise _Retryable(f"cannot reach it: {err.reason}", timed_out=timed_out) from None
-        except (ConnectionError, OSError) as err:  # reset mid-answer, or a malformed status line
-            raise _Retryable(f"connection failed: {type(err).__name__}") from None
+            connection.connect()
+            connected.append(connection.sock)  # a reply read to the end takes the socket off the connection
+            if time.monotonic() >= deadline:  # the watchdog fired while the connection was being made
+                raise TimeoutError("connecting took the whole timeout")
+            connection.request("POST", self._path, body, self._headers)
+            reply = connection.getresponse()
+            if not 200 <= reply.status < 300:
+                if reply.status >= 500 or reply.status == 429:
+                    raise _Retryable(f"HTTP {reply.status}")
+                raise ValueError(f"HTTP {reply.status}; not retried")
+            text = _read_bounded(reply, max_bytes, deadline)
+            if expired.is_set():  # a body read until the connection closed may have been cut short
+                raise TimeoutError("the answer took too long")
+        except (TimeoutError, OSError, http.client.HTTPException) as err:
+            if expired.is_set() or isinstance(err, TimeoutError):
+                raise _Retryable(f"timed out after {timeout_s:g} s", timed_out=True) from None
+            raise _Retryable(f"connection failed: {type(err).__name__}: {err}") from None
+        finally:
+            watchdog.cancel()
+            if reply is not None:
+                reply.close()
+            connection.close()
         try:
             return strict_loads(text)
-        except ValueError as err:  # JSONDecodeError, NaN or Infinity
+        except ValueError as err:  # JSONDecodeError, NaN, Infinity, nested past MAX_JSON_DEPTH
             raise ValueError(f"the answer is not strict JSON: {err}") from None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _cut(connection: http.client.HTTPConnection, connected: list[socket.socket], expired: threading.Event) -> None:
+    """The watchdog's end of an attempt: shuts the socket down, so the read blocked on it returns."""
+    expired.set()
+    for sock in (connection.sock, *connected):  # still connecting; or connected
+        if sock is not None:
+            # The plain socket's shutdown: an SSL socket's own would also drop its TLS state under the reader.
+            # OSError: the attempt closed it in the meantime.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _read_bounded(reply: object, max_bytes: int, deadline: float) -> bytes:

@@ -5,7 +5,15 @@ pathological answer (sympy stuck in C code, where no signal handler runs) would 
 whole pool. Here each worker process is owned by one dispatcher thread that keeps at most `WINDOW`
 items in the worker's pipe, waits at most `item_timeout_s` for each answer, and on a timeout or a
 crash kills and replaces that process. Only the item at the head is blamed: it gets TIMEOUT (or,
-after a second crash, ERROR); the items sent behind it are sent again to the replacement.
+after a second crash, ERROR); the items sent behind it go back to the queue, behind the other callers'
+next items (issue 46: resent first, a hanging scorer's items held other callers' 1-item calls ~26 s).
+Each item travels with a sequence number and its answer must carry the same one: an answer that does
+not (a scorer that forked leaves two processes answering on the pipe) is discarded and the worker
+replaced, never matched to the wrong item by pipe order.
+
+The window is 1 until the worker's last `FAST_STREAK` items each took under `FAST_ITEM_S` (and after
+every restart): an item sent behind a slow one would wait for it however other calls are queued
+(issue 46: 40 items of ~2.6 s each, four in each pipe, held 1-item calls past their 5 s deadlines).
 
 Work the pool skips (RL checks a question's G responses together, and many share a final answer):
 - `prepare_check` runs here, in the caller's thread: items with no answer, or an answer or gold answer
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import multiprocessing as mp
 import threading
@@ -54,6 +63,13 @@ log = logging.getLogger(__name__)
 # idle while its dispatcher thread waits to be scheduled (on a loaded host a window of 2 measured slower
 # than 4), and a cancelled request still costs at most this many items per worker.
 WINDOW = 4
+# The window above is used only while items are fast: after FAST_STREAK items in a row under FAST_ITEM_S each. A
+# slower item, a timeout or a restart drops the window to 1, so a new call waits for at most one item per worker
+# (plus, in a fast streak, WINDOW - 1 items that turned out slow). The window saves a dispatch round trip (~1 ms)
+# per item, which matters for items of a few ms; the threshold sits well above math-verify's usual 3-10 ms so that
+# a rare slower item does not close the window for the next FAST_STREAK.
+FAST_ITEM_S = 0.25
+FAST_STREAK = 16
 # Verdicts that are functions of the CheckKey alone, hence safe to reuse (see the module docstring).
 CACHEABLE = frozenset({Verdict.CORRECT, Verdict.WRONG, Verdict.UNPARSEABLE, Verdict.GOLD_UNPARSEABLE})
 
@@ -100,6 +116,7 @@ class _Job:
 
     key: CheckKey | ScoreCall
     waiters: list[tuple[VerifyBatch, int]] = field(default_factory=list)
+    crashed: bool = False  # its worker crashed once with it at the head: a second crash makes it ERROR
 
 
 class VerifyPool:
@@ -224,7 +241,8 @@ class VerifyPool:
             self._count("joined", len(joined))
 
     def _next_job(self, index: int, resend: collections.deque[_Job], block: bool, use_queue: bool):
-        """The next job someone waits for (taken-back ones first), `CLOSED`, or None when none is ready."""
+        """The next job someone waits for, `CLOSED`, or None when none is ready. `resend` holds jobs taken back
+        while stopping (the queues may have no other reader left by then)."""
         while True:
             if resend:
                 job = resend.popleft()
@@ -239,13 +257,14 @@ class VerifyPool:
 
     def _dispatch(self, index: int) -> None:
         worker, busy = self._workers[index], self._busy[index]
-        sent: collections.deque[_Job] = collections.deque()  # in the worker's pipe, in order
-        resend: collections.deque[_Job] = collections.deque()  # taken back from a replaced worker
+        sent: collections.deque[tuple[int, _Job]] = collections.deque()  # (seq, job) in the worker's pipe, in order
+        resend: collections.deque[_Job] = collections.deque()  # taken back while stopping
+        seqs = itertools.count()
         head_since = 0.0  # when the head item of `sent` started running
-        retried: _Job | None = None  # the item that already caused one crash
+        fast_needed = FAST_STREAK  # fast items still to see before the window opens to WINDOW
         stopping = False  # the queues are closed and empty: finish what this thread holds, take nothing new
         while True:
-            while len(sent) < WINDOW:
+            while len(sent) < (WINDOW if fast_needed == 0 else 1):
                 job = self._next_job(index, resend, block=not sent, use_queue=not stopping)
                 if job is CLOSED:
                     stopping = True
@@ -254,50 +273,66 @@ class VerifyPool:
                     break
                 if not sent and not worker.process.is_alive():  # died while idle: no item's fault
                     self._replace(worker, "crash")
+                seq = next(seqs)
                 try:
-                    worker.conn.send(job.key)
+                    worker.conn.send((seq, job.key))
                 except OSError:  # died with items in its pipe: the receive below blames the head
                     resend.appendleft(job)
                     break
                 if not sent:
                     head_since = time.monotonic()
                     busy.set()
-                sent.append(job)
+                sent.append((seq, job))
             if not sent:
                 if resend:  # the worker died between the idle check and the send
                     self._replace(worker, "crash")
                     continue
                 break  # stopping, and nothing left to do
-            reason = self._receive(worker, sent, head_since, index)
-            if reason is None:
+            outcome = self._receive(worker, sent, head_since, index)
+            if not isinstance(outcome, str):
                 head_since = time.monotonic()  # the next item was already in the pipe
+                fast_needed = max(0, fast_needed - 1) if outcome < FAST_ITEM_S else FAST_STREAK
                 continue
-            head = sent[0]
+            fast_needed = FAST_STREAK
+            _, head = sent[0]
             busy.clear()  # before any result is set: a caller that saw its result sees the flag down
-            self._replace(worker, reason)
+            self._replace(worker, outcome)
             self._count("resent", len(sent) - 1)
             # A timeout is the item's doing; a crash may be the host's, so the head gets one retry.
-            if reason == "timeout" or head is retried:
+            if outcome == "timeout" or head.crashed:
                 sent.popleft()
-                verdict = Verdict.TIMEOUT if reason == "timeout" else Verdict.ERROR
+                verdict = Verdict.TIMEOUT if outcome == "timeout" else Verdict.ERROR
                 self._finish(head, CheckResult(verdict, "", self.item_timeout_s))
             else:
-                retried = head
+                head.crashed = True
                 self._count("resent")
-            resend.extendleft(reversed(sent))
+            jobs = [job for _, job in sent]
             sent.clear()
+            if stopping:
+                resend.extendleft(reversed(jobs))
+            else:  # back in the queue: the blamed head's caller after every other caller's next item
+                self._queues.put_back(index, [(job.waiters[0][0], job) for job in jobs], last=head.waiters[0][0])
         busy.clear()
         worker.kill()
 
-    def _receive(self, worker: Worker, sent: collections.deque[_Job], head_since: float, index: int) -> str | None:
-        """Waits for the head item's answer; None when it came, else "timeout" or "crash"."""
+    def _receive(
+        self, worker: Worker, sent: collections.deque[tuple[int, _Job]], head_since: float, index: int
+    ) -> float | str:
+        """Waits for the head item's answer: the seconds it took, else "timeout" or "crash"."""
         try:
             if not worker.conn.poll(max(0.0, self.item_timeout_s - (time.monotonic() - head_since))):
                 return "timeout"
-            result, stats = worker.conn.recv()
+            seq, result, stats = worker.conn.recv()
         except (EOFError, OSError):
             return "crash"
-        job = sent.popleft()
+        except Exception as err:  # garbled by a second reader of the pipe (a forked scorer): not an answer
+            log.warning("verifier worker %s: unreadable answer (%s)", worker.process.pid, err)
+            return "crash"
+        expected, job = sent[0]
+        if seq != expected:
+            log.warning("verifier worker %s answered item %s while %s was due", worker.process.pid, seq, expected)
+            return "crash"
+        sent.popleft()
         if not sent:
             self._busy[index].clear()  # before the result is set (see `wait_busy`)
         with self._counts_lock:
@@ -306,7 +341,7 @@ class VerifyPool:
             self._gold_parsed_by_worker[index] += stats.gold_misses
         self._report_parses(stats)
         self._finish(job, result)
-        return None
+        return result.seconds
 
     def _report_parses(self, stats: ParseStats) -> None:
         for cache, hits, misses in (

@@ -32,28 +32,55 @@ CLOSED = Closed()
 
 class FairQueue(Generic[T]):
     """Items of several callers: `popleft` serves the callers round-robin, each caller's items in order; `pop` (a
-    steal) takes the last item of the caller with the most queued."""
+    steal) takes the last item of the caller with the most queued.
+
+    Rounds: a caller served in the current round waits until every other caller has been, and a caller that arrives
+    mid-round is served in it, before those already served. Appended behind them instead, a 1-item call waited for
+    the running item and then for the next one of the caller that was alone (issue 46: two ~2.6 s items, past a
+    5 s deadline). A stream of new calls cannot starve a big one: it is served again once each round.
+    """
 
     def __init__(self):
+        # Callers in serving order: those not yet served this round first, then `_served` ones (moved to the end).
         self._callers: collections.OrderedDict[object, collections.deque[T]] = collections.OrderedDict()
+        self._served: set[object] = set()
         self._size = 0
 
     def __len__(self) -> int:
         return self._size
 
     def append(self, caller: object, item: T) -> None:
-        self._callers.setdefault(caller, collections.deque()).append(item)
+        if caller not in self._callers:
+            self._callers[caller] = collections.deque()
+            for served in [c for c in self._callers if c in self._served]:  # the newcomer goes before them
+                self._callers.move_to_end(served)
+        self._callers[caller].append(item)
         self._size += 1
 
     def popleft(self) -> T:
         caller, items = next(iter(self._callers.items()))
+        if caller in self._served:  # every caller has been served this round: a new one begins
+            self._served.clear()
         item = items.popleft()
         if items:
             self._callers.move_to_end(caller)  # this caller's next item waits for one of every other caller's
+            self._served.add(caller)
         else:
             del self._callers[caller]
         self._size -= 1
         return item
+
+    def put_back(self, caller: object, items: list[T], last: bool) -> None:
+        """Puts a caller's items taken back from a worker before its queued ones; the caller's turn comes next, or
+        after every other caller's when `last` (its item was the one that failed)."""
+        queued = self._callers.setdefault(caller, collections.deque())
+        queued.extendleft(reversed(items))
+        self._callers.move_to_end(caller, last=last)
+        if last:
+            self._served.add(caller)
+        else:
+            self._served.discard(caller)
+        self._size += len(items)
 
     def pop(self) -> T:
         caller = max(self._callers, key=lambda c: len(self._callers[c]))
@@ -61,6 +88,7 @@ class FairQueue(Generic[T]):
         item = items.pop()
         if not items:
             del self._callers[caller]
+            self._served.discard(caller)
         self._size -= 1
         return item
 
@@ -83,6 +111,18 @@ class WorkQueues(Generic[T]):
         with self._cond:
             for gold, item in items:
                 self._queues[self.worker_for(gold)].append(caller, item)
+            self._cond.notify_all()
+
+    def put_back(self, index: int, items: list[tuple[object, T]], last: object) -> None:
+        """Items (caller, item) taken back from worker `index` (replaced with them in its pipe) go back on its queue
+        before their callers' queued items; `last` is the caller whose item failed: its turn comes after the others'.
+        """
+        by_caller: dict[object, list[T]] = {}
+        for caller, item in items:
+            by_caller.setdefault(caller, []).append(item)
+        with self._cond:
+            for caller, caller_items in by_caller.items():
+                self._queues[index].put_back(caller, caller_items, last=caller is last)
             self._cond.notify_all()
 
     def get(self, index: int, block: bool) -> T | Closed | None:

@@ -1,17 +1,22 @@
 """One verifier worker process: the loop it runs and the parent's handle that starts, kills and restarts it.
 
-The parent sends a `CheckKey` (math-verify) or a `ScoreCall` (a Python scorer); the worker answers each with
-`(CheckResult, ParseStats)`, the stats saying which of its parse caches the check hit. Only our own
+The parent sends `(seq, item)`, the item a `CheckKey` (math-verify) or a `ScoreCall` (a Python scorer); the worker
+answers each with `(seq, CheckResult, ParseStats)`, the stats saying which of its parse caches the check hit. The
+sequence number lets the parent reject an answer that is not the one it waits for (a scorer that forked leaves two
+processes reading and answering on this pipe) instead of handing it to the wrong item. Only our own
 processes on this host exchange pickled data over these pipes; nothing from the network is unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import resource
 import signal
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import NamedTuple
 
 from rlep.common.types import Verdict
@@ -54,9 +59,10 @@ def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, 
     conn.send(_READY)
     while True:
         try:
-            key: CheckKey | ScoreCall = conn.recv()
+            message: tuple[int, CheckKey | ScoreCall] = conn.recv()
         except (EOFError, OSError):
             return
+        seq, key = message
         before = _snapshot(cache)
         try:
             if isinstance(key, ScoreCall):
@@ -65,7 +71,16 @@ def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, 
                 result = check_key(key, options, cache)
         except BaseException:  # anything else: the item failed, the worker lives on
             result = CheckResult(Verdict.ERROR, "")
-        conn.send((result, ParseStats(*(a - b for a, b in zip(_snapshot(cache), before, strict=True)))))
+        conn.send((seq, result, ParseStats(*(a - b for a, b in zip(_snapshot(cache), before, strict=True)))))
+
+
+def _children_of(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux's /proc; none where it lacks the children lists)."""
+    children: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):  # the thread or the process is gone
+            children.extend(int(child) for child in listing.read_text().split())
+    return children
 
 
 class Worker:
@@ -89,7 +104,12 @@ class Worker:
         self._start()
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        """Kills the worker and whatever a scorer forked from it: a forked child holds the worker's end of the
+        pipe and its exit sentinel (`join` waited 5 s for it) and would go on answering items."""
+        self.conn.close()  # a child it missed sees EOF at its next read
+        if self.process.is_alive():  # not reaped: its pid, and its children's parent pid, are still its own
+            for pid in _children_of(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.process.kill()
         self.process.join(timeout=5)
-        self.conn.close()

@@ -49,6 +49,16 @@ def test_serve_with_an_unreachable_redis_names_it(service):
     refused(["serve", service, "--port", "0", "--set", f"redis_url={url}"], f"Redis at {url}", "redis_url")
 
 
+@pytest.mark.parametrize("service", ["eval", "replay"])
+def test_an_unreachable_redis_is_named_without_its_password(service):
+    port = free_port()
+    args = ["serve", service, "--port", "0", "--set", f"redis_url=redis://:hunter2-pw@127.0.0.1:{port}/0"]
+    refused(args, f"Redis at redis://:***@127.0.0.1:{port}/0")
+    verbose = subprocess.run([*rlep_command(), "--verbose", *args], capture_output=True, text=True, timeout=120)
+    assert "Traceback" in verbose.stderr  # the whole story, every message in it masked
+    assert "hunter2" not in verbose.stdout + verbose.stderr
+
+
 def test_serve_replay_on_a_redis_folder_in_use_says_so(tmp_path):
     folder = tmp_path / "redis"
     folder.mkdir()

@@ -63,6 +63,33 @@ def test_a_worker_serves_its_callers_round_robin_so_a_small_call_never_waits_for
     assert queues.sizes() == [37]
 
 
+def test_a_call_that_comes_mid_round_is_served_before_the_callers_already_served_and_starves_none():
+    """Issue 46: a 1-item call that came while a big call's item ran waited for that item and then the big call's
+    next one (two ~2.6 s items, past its 5 s deadline): it was queued behind the caller served just before."""
+    queues: WorkQueues[str] = WorkQueues(1)
+    big = object()
+    queues.put([("g", f"big{i}") for i in range(4)], caller=big)
+    served = [queues.get(0, block=False)]  # big0 runs
+    for n in range(3):  # a new 1-item call during each of big's items
+        queues.put([("g", f"new{n}")], caller=object())
+        served += [queues.get(0, block=False), queues.get(0, block=False)]
+    assert served == ["big0", "new0", "big1", "new1", "big2", "new2", "big3"]
+
+
+def test_items_taken_back_from_a_replaced_worker_wait_their_callers_turn():
+    """Issue 46: the items behind a timed-out one were resent before every other call's (a hanging scorer's items
+    held 1-item calls ~26 s). Now the blamed item's caller waits for every other caller's next item."""
+    queues: WorkQueues[str] = WorkQueues(1)
+    hanging, small, other = object(), object(), object()
+    queues.put([("g", "hang4"), ("g", "hang5")], caller=hanging)
+    queues.put([("g", "other0")], caller=other)
+    # The pipe held hang0 (timed out), small's item and hang1..hang3: they come back, hang0's caller last.
+    queues.put_back(0, [(small, "small0"), (hanging, "hang1"), (hanging, "hang2"), (hanging, "hang3")], last=hanging)
+    served = [queues.get(0, block=False) for _ in range(7)]
+    assert served == ["small0", "other0", "hang1", "hang2", "hang3", "hang4", "hang5"]
+    assert queues.get(0, block=False) is None
+
+
 def test_a_steal_takes_the_tail_of_the_caller_with_the_most_queued():
     queues: WorkQueues[str] = WorkQueues(2)
     [gold_b] = _golds_of_worker(queues, 1, 1)
