@@ -162,6 +162,9 @@ class _Handler(WSGIRequestHandler):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     block_on_close = False
+    # socketserver's listen backlog is 5: a burst of connections (16 readers at once) overflows it, the kernel
+    # drops the SYNs past it and their clients, a health probe among them, retry 1 s later.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], ssl_context: ssl.SSLContext | None, limits: dict):
         self.ssl_context = ssl_context

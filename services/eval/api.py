@@ -156,6 +156,11 @@ class SamplePage(BaseModel):
     """In the order they were scored: dataset by dataset, question by question."""
     samples_dropped: int
     """Responses of the job not stored (past the server's max_stored_samples): not in `total`."""
+    next_offset: int | None = None
+    """The `offset` of the next page; null when no stored sample follows this page (yet, if the job still runs)."""
+    cut_at_bytes: bool = False
+    """True when the page holds fewer than `limit` samples because more would pass the server's
+    `max_sample_page_bytes` of JSON (each sample counts its prompt; a page always holds at least one)."""
 
 
 class ErrorBody(BaseModel):

@@ -128,9 +128,13 @@ class EvalConfig(StrictModel):
     questions_per_call: int = Field(32, ge=1, le=4096)
     """Questions per Generate call. Progress, metrics and cancellation advance at this granularity."""
     max_stored_samples: int = Field(100_000, ge=0)
-    """Responses kept per job for GET /v1/evaluations/{id}/samples and `rlep eval --samples` (each with its prompt,
-    texts up to 16 KiB each; they stay in Redis as long as the job). Past it they are counted in the job's
-    `samples_dropped`, not stored; 0 keeps none."""
+    """Responses kept per job for GET /v1/evaluations/{id}/samples and `rlep eval --samples` (texts up to 16 KiB
+    each, a question's prompt and answer once per job; they stay in Redis as long as the job). Past it they are
+    counted in the job's `samples_dropped`, not stored; 0 keeps none."""
+    max_sample_page_bytes: int = Field(4 << 20, ge=1 << 20, le=64 << 20)
+    """Most bytes of JSON in one page of GET /v1/evaluations/{id}/samples: a page stops before the sample that would
+    pass it (`cut_at_bytes`, `next_offset`), so concurrent readers cost bounded memory and time. At least 1 MiB, so
+    the largest sample (four 16 KiB texts, each up to 6x as JSON escapes) always fits."""
     lease_s: float = Field(30.0, ge=1.0, le=3600)
     """A running job whose service sends no heartbeat for this long is marked failed (its service died)."""
     redis_timeout_s: float = Field(10.0, gt=0)

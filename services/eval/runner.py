@@ -29,7 +29,7 @@ from rlep.services.eval.accuracy import DatasetTally, SampleScore, score_questio
 from rlep.services.eval.api import DatasetResult, EvaluationJob, JobStatus
 from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.inputs import CURRENT_POLICY, checkpoint_files, load_dataset
-from rlep.services.eval.samples import sample_records
+from rlep.services.eval.samples import QuestionSamples, first_samples, sample_records
 from rlep.services.eval.store import JobStore, new_attempt
 from rlep.services.rollout.client import RolloutClient
 from rlep.services.rollout.types import Completion, Sampling
@@ -231,8 +231,9 @@ class JobRunner:
                 if not self._store.renew_lease(job.id, attempt, self._config.lease_s):
                     raise JobAbandoned()
                 seen, records = self._score_chunk(spec.name, start, chunk, completions, tally)
-                stored = records[: max(0, self._config.max_stored_samples - kept)]
-                kept += len(stored)
+                stored = first_samples(records, self._config.max_stored_samples - kept)
+                scored, count = (sum(len(record.rows) for record in part) for part in (records, stored))
+                kept += count
                 if pushed_version is not None and seen != {pushed_version}:
                     raise RuntimeError(
                         f"samples came from policy versions {sorted(seen)}, not the pushed checkpoint "
@@ -243,7 +244,7 @@ class JobRunner:
                 progress.samples_done += len(chunk) * request.n
                 results[-1] = _result(spec.name, len(questions), tally)
                 saved = self._store.save_progress(
-                    job.id, attempt, progress, results, sorted(versions), stored, len(records) - len(stored)
+                    job.id, attempt, progress, results, sorted(versions), stored, scored - count
                 )
                 if not saved:
                     raise JobAbandoned()
@@ -273,12 +274,12 @@ class JobRunner:
 
     def _score_chunk(
         self, dataset: str, first: int, chunk: list[Question], completions: list[Completion], tally: DatasetTally
-    ) -> tuple[set[int], list[str]]:
+    ) -> tuple[set[int], list[QuestionSamples]]:
         """Verifies and scores one chunk of questions (the first is question `first` of `dataset`) into `tally`;
         returns the policy versions seen and the samples' records."""
         groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
         versions: set[int] = set()
-        records: list[str] = []
+        records: list[QuestionSamples] = []
         verified = verify_groups(self._backends.verifier, groups, [q.data_source for q in chunk])
         for index, (question, completion, outcomes) in enumerate(zip(chunk, completions, verified, strict=True)):
             scores = []
@@ -287,7 +288,7 @@ class JobRunner:
                 scores.append(SampleScore(outcome.verdict, outcome.extracted_answer, len(sample.token_ids), truncated))
                 versions.add(sample.policy_version)
             tally.add(score_question(scores))
-            records += sample_records(dataset, first + index, question, completion.samples, outcomes)
+            records.append(sample_records(dataset, first + index, question, completion.samples, outcomes))
         return versions, records
 
 

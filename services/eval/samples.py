@@ -10,7 +10,9 @@ a dataset's samples are a contiguous range of it (`dataset_ranges`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlep.common.types import FinishReason
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 
 MAX_TEXT_BYTES = 16 * 1024
 CUT_MARKER = "\n[... {} more bytes not stored]"
+# Kept once per question (QuestionSamples.question), not in each sample's row.
+QUESTION_FIELDS = {"prompt", "ground_truth"}
 
 
 def clip(text: str, limit: int = MAX_TEXT_BYTES) -> str:
@@ -34,12 +38,29 @@ def clip(text: str, limit: int = MAX_TEXT_BYTES) -> str:
     return kept + CUT_MARKER.format(len(data) - len(kept.encode()))
 
 
+@dataclass
+class QuestionSamples:
+    """One question's stored responses: its prompt and gold answer are kept once per job (a hash field), not in
+    each of its n samples."""
+
+    key: str
+    """The field of the job's question hash: `question_key(dataset, index)`."""
+    question: str
+    """`{"prompt": ..., "ground_truth": ...}` JSON."""
+    rows: list[str]
+    """One EvalSample JSON per response, without `prompt` and `ground_truth`."""
+
+
+def question_key(dataset: str, index: int) -> str:
+    return json.dumps([dataset, index])
+
+
 def sample_records(
     dataset: str, index: int, question: Question, samples: Sequence[SampleOut], outcomes: Sequence[VerifyOutcome]
-) -> list[str]:
-    """The JSON records of one question's responses; `index` is the question's place in `dataset`."""
+) -> QuestionSamples:
+    """The records of one question's responses; `index` is the question's place in `dataset`."""
     prompt, gold = clip(question.messages[-1][1]), clip(question.ground_truth)
-    return [
+    rows = [
         EvalSample(
             dataset=dataset,
             question=index,
@@ -51,9 +72,55 @@ def sample_records(
             verdict=outcome.verdict,
             truncated=sample.finish_reason == FinishReason.LENGTH,
             response_tokens=len(sample.token_ids),
-        ).model_dump_json()
+        ).model_dump_json(exclude=QUESTION_FIELDS)
         for number, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True))
     ]
+    text = EvalSample.model_construct(prompt=prompt, ground_truth=gold).model_dump_json(include=QUESTION_FIELDS)
+    return QuestionSamples(question_key(dataset, index), text, rows)
+
+
+def first_samples(records: Iterable[QuestionSamples], count: int) -> list[QuestionSamples]:
+    """The records of the first `count` responses (a question whose rows are all cut is left out)."""
+    kept = []
+    for record in records:
+        if count <= 0:
+            break
+        kept.append(QuestionSamples(record.key, record.question, record.rows[:count]))
+        count -= len(kept[-1].rows)
+    return kept
+
+
+class PageFill:
+    """Samples of one page, added while they fit `max_bytes` of JSON (the first always does). A stored row holds
+    the sample's JSON without its question's prompt and gold answer; the page repeats them in each sample, so
+    its size counts them each time."""
+
+    def __init__(self, max_bytes: int):
+        self._budget = max_bytes - PAGE_ENVELOPE_BYTES
+        self._used = 0
+        self.samples: list[EvalSample] = []
+        self.full = False
+        self._questions: dict[str, dict] = {}  # parsed once per page: the samples share their prompt's string
+
+    def add(self, row: str, record: dict, question: str | None) -> bool:
+        """Adds one stored row (`record`: the row parsed; `question`: its question's record, None for a row that
+        holds its own prompt); False, and nothing added, when the page is full."""
+        size = len(row.encode()) + 1  # the comma after it
+        if question is not None:
+            if question not in self._questions:
+                self._questions[question] = json.loads(question)
+            record = record | self._questions[question]
+            size += len(question.encode())  # a byte more than ',"prompt":P,"ground_truth":G' adds to the row
+        if self.samples and self._used + size > self._budget:
+            self.full = True
+            return False
+        self.samples.append(EvalSample.model_validate(record))
+        self._used += size
+        return True
+
+
+# The page's own fields (job_id of at most 128 characters, three integers, a flag) fit in this.
+PAGE_ENVELOPE_BYTES = 512
 
 
 def dataset_ranges(results: Iterable[dict], stored: int, dataset: str) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ with the reason before anything is queued; jobs live in `JobStore` and run in `J
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Annotated
@@ -64,6 +65,17 @@ class EvalMetrics:
             registry=registry,
             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400),
         )
+
+    def observe_request(self, request: Request, code: int, seconds: float) -> None:
+        """Records one request's latency. Label values come from closed sets only: the request is not yet
+        authenticated, and a label per odd method or path would let any caller mint series without bound."""
+        method = request.method if request.method in LABELLED_METHODS else "other"
+        route = request.scope.get("route")  # the template (/v1/evaluations/{job_id}), one of the app's own
+        self.request_seconds.labels(method, getattr(route, "path", "unmatched"), str(code)).observe(seconds)
+
+
+# The methods an HTTP client sends in practice; any other method is counted as "other".
+LABELLED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def _count_or_nan(store: JobStore, status: JobStatus) -> float:
@@ -123,6 +135,8 @@ class ListQuery(BaseModel):
 
 
 MAX_SAMPLES_PAGE = 1000
+# Sample pages being built at once; more readers wait their turn (each holds one of the HTTP server's threads).
+CONCURRENT_SAMPLE_PAGES = 4
 
 
 class SamplesQuery(BaseModel):
@@ -212,10 +226,7 @@ def _add_service_routes(
             response = JSONResponse({"detail": problem}, status_code=422)
         else:
             response = await call_next(request)
-        route = request.scope.get("route")  # the template (/v1/evaluations/{job_id}) keeps label values few
-        metrics.request_seconds.labels(
-            request.method, getattr(route, "path", "unmatched"), str(response.status_code)
-        ).observe(time.perf_counter() - started)
+        metrics.observe_request(request, response.status_code, time.perf_counter() - started)
         return response
 
     @app.exception_handler(redis.RedisError)
@@ -243,6 +254,10 @@ def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], gu
         # 400 on any route: a malformed HTTP request (e.g. a bad Content-Length header).
         responses=_errors(400, *((401,) if guarded else ()), 422, 503),
     )
+
+    # Pages are built a few at a time: each holds up to max_sample_page_bytes of JSON several times over (rows,
+    # parsed samples, the answer), and 32 concurrent readers must not cost 32 pages of memory or starve /healthz.
+    page_slots = threading.BoundedSemaphore(CONCURRENT_SAMPLE_PAGES)
 
     def existing_job(job_id: str) -> EvaluationJob:
         job = store.get(job_id)
@@ -274,13 +289,15 @@ def job_routes(config: EvalConfig, store: JobStore, wake: Callable[[], None], gu
         return existing_job(job_id)
 
     @router.get("/{job_id}/samples", response_model=SamplePage, responses=_errors(404))
-    def job_samples(job_id: JobId, query: Annotated[SamplesQuery, Query()]) -> SamplePage:
-        """Every response of the job as scored (prompt, response, extracted answer, verdict, truncated), in pages;
-        a running job's so far."""
-        page = store.samples(job_id, query.offset, query.limit, query.dataset)
-        if page is None:
-            raise HTTPException(404, f"no evaluation job {job_id!r}")
-        return page
+    def job_samples(job_id: JobId, query: Annotated[SamplesQuery, Query()]) -> Response:
+        """Every response of the job as scored (prompt, response, extracted answer, verdict, truncated), in pages
+        of at most `limit` samples and the server's `max_sample_page_bytes` of JSON; a running job's so far."""
+        with page_slots:
+            page = store.samples(job_id, query.offset, query.limit, config.max_sample_page_bytes, query.dataset)
+            if page is None:
+                raise HTTPException(404, f"no evaluation job {job_id!r}")
+            # Serialised once, as built (FastAPI would validate the page again first): its bytes are bounded.
+            return Response(page.model_dump_json(), media_type="application/json")
 
     @router.delete("/{job_id}", response_model=EvaluationJob, responses=_errors(404, 409))
     def cancel_job(job_id: JobId) -> EvaluationJob:

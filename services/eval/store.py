@@ -7,8 +7,10 @@ Keys under the configured prefix P (default `rlep:eval:`):
 - `P queue`       list of queued job ids; a worker claims from the right end
 - `P state:<s>`   set of job ids per status (the `rlep_eval_jobs{state}` gauge)
 - `P lease:<id>`  the running attempt's token, with a TTL its worker keeps renewing
-- `P samples:<id>` list of the job's responses as scored (EvalSample JSON, eval/samples.py), the first
-                  max_stored_samples; emptied when an attempt starts (a requeued job starts over)
+- `P samples:<id>` list of the job's responses as scored (EvalSample JSON without prompt and ground truth,
+                  eval/samples.py), the first max_stored_samples; emptied when an attempt starts (a requeued
+                  job starts over)
+- `P questions:<id>` hash: each question's prompt and ground truth, once per job, by `question_key`
 
 Every status change is one Lua script, so a job is always in exactly one state set. Writes by a worker
 (progress and samples) are fenced by its attempt token: once a job is cancelled, requeued or declared dead,
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import redis
 from pydantic import ValidationError
@@ -29,14 +31,13 @@ from pydantic import ValidationError
 from rlep.services.eval.api import (
     DatasetRequest,
     DatasetResult,
-    EvalSample,
     EvaluationJob,
     EvaluationRequest,
     JobStatus,
     Progress,
     SamplePage,
 )
-from rlep.services.eval.samples import dataset_ranges, page_spans
+from rlep.services.eval.samples import PageFill, QuestionSamples, dataset_ranges, page_spans, question_key
 
 _TRANSITION = """
 local p, id, attempt, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -65,7 +66,7 @@ while true do
   if redis.call('HGET', job, 'status') == 'queued' then
     redis.call('HSET', job, 'status', 'running', 'attempt', attempt, 'started_at', now)
     redis.call('HDEL', job, 'samples_dropped')
-    redis.call('DEL', p .. 'samples:' .. id)
+    redis.call('DEL', p .. 'samples:' .. id, p .. 'questions:' .. id)
     redis.call('SMOVE', p .. 'state:queued', p .. 'state:running', id)
     redis.call('SET', p .. 'lease:' .. id, attempt, 'PX', lease_ms)
     return id
@@ -73,20 +74,26 @@ while true do
 end
 """
 
-# A running attempt's progress fields and dropped-sample count, then samples appended to the job's list.
+# A running attempt's progress fields and dropped-sample count, question records, then samples appended to the
+# job's list.
 _SAVE = """
-local p, id, attempt, dropped, nfields = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local p, id, attempt, dropped = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local nfields, nquestions = tonumber(ARGV[5]), tonumber(ARGV[6])
 local job = p .. 'job:' .. id
 if redis.call('HGET', job, 'status') ~= 'running' or redis.call('HGET', job, 'attempt') ~= attempt then return 0 end
-local first = 6 + 2 * nfields
-for i = 6, first - 1, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+local questions = 7 + 2 * nfields
+local rows = questions + 2 * nquestions
+for i = 7, questions - 1, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 if dropped > 0 then redis.call('HINCRBY', job, 'samples_dropped', dropped) end
-for i = first, #ARGV do redis.call('RPUSH', p .. 'samples:' .. id, ARGV[i]) end
+for i = questions, rows - 1, 2 do redis.call('HSET', p .. 'questions:' .. id, ARGV[i], ARGV[i + 1]) end
+for i = rows, #ARGV do redis.call('RPUSH', p .. 'samples:' .. id, ARGV[i]) end
 return 1
 """
 
 # Samples go to Redis in calls of about this many bytes (a chunk of questions x n can hold far more).
 SAMPLE_CALL_BYTES = 4 << 20
+# Rows read per LRANGE of a samples page (a row is at most ~200 KB: two 16 KiB texts of 6-byte escapes).
+READ_BATCH_ROWS = 16
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -159,8 +166,11 @@ class JobStore:
     def count(self, status: JobStatus) -> int:
         return self._redis.scard(self._key("state", status))
 
-    def samples(self, job_id: str, offset: int, limit: int, dataset: str | None = None) -> SamplePage | None:
-        """Stored responses `offset` .. `offset + limit - 1` of a job (of one dataset); None for an unknown job."""
+    def samples(
+        self, job_id: str, offset: int, limit: int, max_bytes: int, dataset: str | None = None
+    ) -> SamplePage | None:
+        """Stored responses `offset` .. `offset + limit - 1` of a job (of one dataset), fewer if they would make a
+        page of more than `max_bytes` of JSON (at least one); None for an unknown job."""
         key = self._key("samples", job_id)
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.hmget(self._key("job", job_id), ["status", "results", "samples_dropped"])
@@ -169,17 +179,47 @@ class JobStore:
         if status is None:
             return None
         ranges = [(0, stored)] if dataset is None else dataset_ranges(json.loads(results or "[]"), stored, dataset)
-        with self._redis.pipeline(transaction=False) as pipe:
-            for start, end in page_spans(ranges, offset, limit):
-                pipe.lrange(key, start, end - 1)
-            rows = [row for span in pipe.execute() for row in span]
+        page = PageFill(max_bytes)
+        questions: dict[str, str | None] = {}
+        for rows in self._read_rows(key, page_spans(ranges, offset, limit)):
+            records = [json.loads(row) for row in rows]
+            keys = {question_key(r["dataset"], r["question"]) for r in records if "prompt" not in r}
+            wanted = list(keys - questions.keys())
+            if wanted:
+                questions |= zip(wanted, self._redis.hmget(self._key("questions", job_id), wanted), strict=True)
+            ended = False
+            for row, record in zip(rows, records, strict=True):
+                question = None
+                if "prompt" not in record:  # a row stored before prompts were kept once per question holds its own
+                    question = questions[question_key(record["dataset"], record["question"])]
+                    # Written with the row; gone only if the job started over since the row was read (a claim
+                    # deletes both): that attempt's samples are gone, so the page ends here.
+                    ended = question is None
+                if ended or not page.add(row, record, question):
+                    break
+            if ended or page.full:
+                break
+        total = sum(end - start for start, end in ranges)
+        after = offset + len(page.samples)
         return SamplePage(
             job_id=job_id,
-            total=sum(end - start for start, end in ranges),
+            total=total,
             offset=offset,
-            samples=[EvalSample.model_validate_json(row) for row in rows],
+            samples=page.samples,
             samples_dropped=int(dropped or 0),
+            next_offset=after if after < total else None,
+            cut_at_bytes=page.full,
         )
+
+    def _read_rows(self, key: str, spans: Iterable[tuple[int, int]]) -> Iterator[list[str]]:
+        """The rows of `spans`, READ_BATCH_ROWS at a time: a page stops reading once it is full, so a page of large
+        samples costs at most one batch more than it returns."""
+        for start, end in spans:
+            for first in range(start, end, READ_BATCH_ROWS):
+                rows = self._redis.lrange(key, first, min(end, first + READ_BATCH_ROWS) - 1)
+                if not rows:
+                    return
+                yield rows
 
     # -- writing ---------------------------------------------------------------------------------
     def create(self, request: EvaluationRequest, progress: Progress) -> EvaluationJob:
@@ -222,22 +262,22 @@ class JobStore:
         progress: Progress,
         results: list[DatasetResult],
         policy_versions: list[int],
-        samples: Sequence[str] = (),
+        samples: Sequence[QuestionSamples] = (),
         dropped: int = 0,
     ) -> bool:
-        """Records progress, appends `samples` (EvalSample JSON) to the job's and counts `dropped` ones (scored, not
-        stored); False when the job is no longer this attempt's (cancelled, requeued, reaped)."""
+        """Records progress, appends `samples` to the job's (their questions' records first) and counts `dropped`
+        ones (scored, not stored); False when the job is no longer this attempt's (cancelled, requeued, reaped)."""
         fields = {
             "progress": progress.model_dump_json(),
             "results": json.dumps([r.model_dump(mode="json") for r in results]),
             "policy_versions": json.dumps(policy_versions),
         }
         calls = _byte_batches(samples, SAMPLE_CALL_BYTES)
-        for number, batch in enumerate(calls, 1):
+        for number, (questions, rows) in enumerate(calls, 1):
             last = number == len(calls)  # the progress goes with the chunk's last samples
             pairs = [item for pair in fields.items() for item in pair] if last else []
-            head = [self._prefix, job_id, attempt, dropped if last else 0, len(pairs) // 2]
-            if not self._save(args=[*head, *pairs, *batch]):
+            head = [self._prefix, job_id, attempt, dropped if last else 0, len(pairs) // 2, len(questions) // 2]
+            if not self._save(args=[*head, *pairs, *questions, *rows]):
                 return False
         return True
 
@@ -275,16 +315,21 @@ class JobStore:
         return [job_id for job_id in running if self._reap(args=[self._prefix, job_id, reason, now])]
 
 
-def _byte_batches(items: Sequence[str], limit: int) -> list[list[str]]:
-    """`items` in order, in batches of about `limit` bytes (at least one item each); one empty batch for none."""
-    batches: list[list[str]] = [[]]
+def _byte_batches(records: Sequence[QuestionSamples], limit: int) -> list[tuple[list[str], list[str]]]:
+    """The rows of `records` in order, in batches of about `limit` bytes (at least one row each), each with the
+    (key, record) pairs of the questions whose first row it holds; one empty batch for none."""
+    batches: list[tuple[list[str], list[str]]] = [([], [])]
     size = 0
-    for item in items:
-        if batches[-1] and size + len(item) > limit:
-            batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += len(item)
+    for record in records:
+        for number, row in enumerate(record.rows):
+            if batches[-1][1] and size + len(row) > limit:
+                batches.append(([], []))
+                size = 0
+            if number == 0:
+                batches[-1][0].extend((record.key, record.question))
+                size += len(record.question)
+            batches[-1][1].append(row)
+            size += len(row)
     return batches
 
 

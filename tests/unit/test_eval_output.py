@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import io
+import json
 
 from rich.console import Console
 
+from rlep.common.dataset import chat_question
+from rlep.common.types import FinishReason, Verdict
 from rlep.services.cli.eval import results_table
-from rlep.services.eval.api import DatasetRequest, DatasetResult, EvaluationJob, EvaluationRequest, JobStatus, Progress
-from rlep.services.eval.samples import clip, dataset_ranges, page_spans
+from rlep.services.eval.api import (
+    DatasetRequest,
+    DatasetResult,
+    EvalSample,
+    EvaluationJob,
+    EvaluationRequest,
+    JobStatus,
+    Progress,
+    SamplePage,
+)
+from rlep.services.eval.samples import PageFill, clip, dataset_ranges, first_samples, page_spans, sample_records
+from rlep.services.eval.store import _byte_batches
+from rlep.services.rollout.types import SampleOut
+from rlep.services.verifier.client import VerifyOutcome
 
 LONG_NAME = "/mnt/shared/evaluation-sets/competition-math/2024/amc8.jsonl"
 
@@ -90,3 +105,49 @@ def test_a_datasets_samples_are_ranges_of_the_stored_prefix():
     spans = [span for offset in range(0, 9, 2) for span in page_spans(ranges, offset, 2)]
     covered = [i for start, end in spans for i in range(start, end)]
     assert covered == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+
+
+def records_of(question: int, prompt: str, responses: list[str]):
+    samples = [SampleOut([1, 2], text, [-0.1, -0.1], FinishReason.STOP, 3) for text in responses]
+    outcomes = [VerifyOutcome(0.0, Verdict.WRONG, "1", 0.01)] * len(responses)
+    return sample_records("set", question, chat_question([{"role": "user", "content": prompt}], "2"), samples, outcomes)
+
+
+def test_a_page_stops_before_the_sample_that_would_pass_its_byte_bound():
+    # Control characters are 6 bytes each as JSON: a 16 KiB prompt is ~98 KB in every sample of a page.
+    records = [records_of(q, "\x01" * 16383 + str(q), ["\\boxed{1}"] * 8) for q in range(4)]
+    page = PageFill(1 << 20)
+    added = [page.add(row, json.loads(row), r.question) for r in records for row in r.rows]
+    count = added.index(False)
+    assert 8 < count < 32 and page.full and len(page.samples) == count
+    body = SamplePage(job_id="j" * 128, total=32, offset=2**53, samples=page.samples, samples_dropped=2**53,
+                      next_offset=2**53, cut_at_bytes=True).model_dump_json()  # fmt: skip
+    assert (1 << 20) - 100_000 < len(body.encode()) <= 1 << 20  # full up to less than one sample
+    assert page.samples[9].prompt == "\x01" * 16383 + "1" and page.samples[9].sample == 1
+    # The first sample always fits, however large: a page is never empty while samples remain.
+    one = PageFill(1 << 20)
+    huge = records_of(0, "\x01" * 16384, ["\x02" * 16384])
+    big = huge.rows[0].replace("\\u0002", "\\u0002" * 12)  # a row past the bound on its own
+    assert one.add(big, json.loads(big), huge.question) and not one.add(big, json.loads(big), huge.question)
+    # A row stored whole (prompt included, as before prompts were kept per question) is read as it is.
+    whole = EvalSample.model_validate(json.loads(huge.rows[0]) | json.loads(huge.question)).model_dump_json()
+    legacy = PageFill(1 << 20)
+    assert legacy.add(whole, json.loads(whole), None) and legacy.samples[0].model_dump_json() == whole
+
+
+def test_rows_are_stored_without_their_prompt_and_each_batch_carries_its_questions_records():
+    records = [records_of(q, f"question {q}", [f"answer {q}.{s}" for s in range(3)]) for q in range(3)]
+    assert all(f"question {q}" not in row and '"prompt"' not in row for q, r in enumerate(records) for row in r.rows)
+    assert json.loads(records[1].question) == {"prompt": "question 1", "ground_truth": "2"}
+    kept = first_samples(records, 4)
+    assert [len(r.rows) for r in kept] == [3, 1]
+    row_bytes = len(records[0].rows[0])
+    batches = _byte_batches(records, 2 * row_bytes)  # two rows (and a question record) per call
+    flat = [row for _, rows in batches for row in rows]
+    assert flat == [row for r in records for row in r.rows]
+    keys = [key for questions, _ in batches for key in questions[::2]]
+    assert keys == [r.key for r in records]  # each question once, in the call holding its first row
+    for questions, rows in batches:
+        firsts = {r.key for r in records if r.rows[0] in rows}
+        assert set(questions[::2]) == firsts
+    assert _byte_batches([], 100) == [([], [])]
