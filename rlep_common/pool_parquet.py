@@ -9,25 +9,51 @@ reward 1, policy version 0, run id "import:<file name>") of the row's question; 
 matches), the one the learner computes from the training parquet, so imported successes are found
 at training time. Exporting writes one row per
 question with all its stored successes as candidates, which the reference verl recipe reads as-is.
+
+Import checks a file once, through the handle it then reads (`check_pool_file`): column types, rows that reuse
+a kept question id with another prompt or answer (the whole file refused), over-size rows and candidates (left
+out one by one, counted). Chunks are cut by trajectories and bytes. Export replaces its target atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlep.common.dataset import verl_prompt, verl_question_id
+from rlep.common.dataset import QuestionIdConflicts, verl_prompt, verl_question_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
 
-ROW_BATCH = 256
+ROW_BATCH = 256  # rows read from the file at a time
 CANDIDATE_VERSION = 0  # imported successes predate any policy version of this system
+
+# An import chunk is one atomic add on the server: it must stay under the replay service's
+# `max_trajectories_per_add` (20,000) and its message limit (`server.max_request_bytes`, 64 MiB) whatever the
+# rows hold, so chunks are cut by trajectories and bytes, not rows (80 candidates x 256 rows passed 20,000).
+CHUNK_TRAJECTORIES = 4096
+CHUNK_BYTES = 8 * 1024 * 1024
+# What a trajectory carries beside its text (question id, run id, tags), over-estimated.
+TRAJECTORY_OVERHEAD = 1024
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What one row may weigh: the replay service's defaults (`max_question_bytes`, `max_trajectory_bytes`;
+    a test keeps them equal). A row whose question is larger is refused alone, a candidate larger is skipped
+    alone, so one over-size row no longer fails a whole import."""
+
+    question_bytes: int = 256 * 1024
+    trajectory_bytes: int = 1 << 20
 
 
 REQUIRED = {"prompt": None, "reward_model": ("ground_truth", "candidates")}
@@ -42,7 +68,13 @@ class PoolFileError(ValueError):
 class PoolFileCheck:
     rows: int
     refused: Counter = field(default_factory=Counter)
-    """Rows that cannot be imported, by reason (empty prompt, no ground truth, no candidates)."""
+    """Rows that cannot be imported, by reason (empty prompt, no ground truth, no candidates, over size)."""
+    skipped_candidates: int = 0
+    """Candidates over `RowLimits.trajectory_bytes`, left out one by one."""
+    path: Path = Path()
+    parquet: pq.ParquetFile | None = field(default=None, compare=False, repr=False)
+    """The file as checked, still open: the import reads these bytes, not the path again (a file swapped
+    between the check and the read would otherwise be imported unchecked)."""
 
     @property
     def importable(self) -> int:
@@ -52,7 +84,48 @@ class PoolFileCheck:
         return ", ".join(f"{count} with {reason}" for reason, count in sorted(self.refused.items()))
 
 
-def row_problem(row: Mapping[str, Any]) -> str | None:
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def _type_problem(schema: pa.Schema) -> str | None:
+    """Why the columns' types cannot be imported (a list<int64> of candidates once failed mid-stream), or None."""
+    prompt = schema.field("prompt").type
+    message = prompt.value_type if _is_list(prompt) else None
+    if not _is_text(prompt) and not (
+        message is not None
+        and pa.types.is_struct(message)
+        and all(message.get_field_index(f) >= 0 and _is_text(message.field(f).type) for f in ("role", "content"))
+    ):
+        return f"`prompt` is {prompt}, not a string or a list of {{role: string, content: string}}"
+    reward_model = schema.field("reward_model").type
+    gold = reward_model.field("ground_truth").type
+    if not (_is_text(gold) or pa.types.is_integer(gold) or pa.types.is_floating(gold)):
+        return f"`reward_model.ground_truth` is {gold}, not a string or a number"
+    candidates = reward_model.field("candidates").type
+    if not (_is_list(candidates) and _is_text(candidates.value_type)):
+        return f"`reward_model.candidates` is {candidates}, not a list of strings"
+    return None
+
+
+def row_question(row: Mapping[str, Any]) -> replay_pb2.Question:
+    """The question a pool file's row stores (`row_problem` first)."""
+    prompt = verl_prompt(row)
+    extra = row.get("extra_info") or {}
+    return replay_pb2.Question(
+        question_id=verl_question_id(row, prompt),
+        ground_truth=str((row.get("reward_model") or {}).get("ground_truth", "")),
+        data_source=row.get("data_source") or "",
+        index=int(extra["index"]) if extra.get("index") is not None else -1,
+        prompt=[replay_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt],
+    )
+
+
+def row_problem(row: Mapping[str, Any], limits: RowLimits = RowLimits()) -> str | None:
     """Why a pool file's row cannot be imported, or None."""
     prompt = verl_prompt(row)
     if not prompt or not all(isinstance(m, dict) and m.get("role") and m.get("content") for m in prompt):
@@ -62,14 +135,42 @@ def row_problem(row: Mapping[str, Any]) -> str | None:
         return "no ground truth"
     if not any(reward_model.get("candidates") or []):
         return "no candidates"
+    if not _question_fits(row, prompt, limits):
+        return f"a question over {limits.question_bytes:,} bytes"
     return None
 
 
-def check_pool_file(path: Path) -> PoolFileCheck:
+def _question_fits(row: Mapping[str, Any], prompt: list[dict[str, str]], limits: RowLimits) -> bool:
+    # UTF-8 takes at most 4 bytes a character: almost every row is far under the bound, and skips building
+    # its message (which doubled the time of a check).
+    texts = [str((row.get("reward_model") or {}).get("ground_truth", "")), row.get("data_source") or ""]
+    chars = sum(len(m["content"]) + len(m["role"]) for m in prompt) + sum(map(len, texts))
+    return chars * 4 + 1024 <= limits.question_bytes or row_question(row).ByteSize() <= limits.question_bytes
+
+
+def _row_candidates(row: Mapping[str, Any], limits: RowLimits) -> tuple[list[tuple[str, int]], int]:
+    """A row's candidates within `limits.trajectory_bytes` with their sizes in bytes, and how many were left out
+    for their size."""
+    kept, skipped = [], 0
+    for candidate in (row.get("reward_model") or {}).get("candidates") or []:
+        if not candidate:
+            continue
+        size = len(candidate.encode("utf-8"))
+        # The stored trajectory carries ids and tags beside the text: keep a margin below the server's bound.
+        if size > limits.trajectory_bytes - TRAJECTORY_OVERHEAD:
+            skipped += 1
+        else:
+            kept.append((candidate, size))
+    return kept, skipped
+
+
+def check_pool_file(path: Path, limits: RowLimits = RowLimits()) -> PoolFileCheck:
     """Checks `path` against the pool schema and every row, before anything is sent: PoolFileError naming what is
-    missing when the columns are wrong; else the rows and the ones to refuse."""
+    missing or mistyped when the columns are wrong, or the rows that reuse an `extra_info.question_id` with
+    another prompt or answer; else the rows, the ones to refuse, and the file still open for `read_pool_rows`."""
     try:
-        schema = pq.read_schema(path)
+        parquet = pq.ParquetFile(pa.OSFile(str(path)))  # opened once: the import reads this handle
+        schema = parquet.schema_arrow
     except (pa.ArrowException, OSError) as err:
         raise PoolFileError(f"{path} is not a parquet file ({err}); {EXPECTED}") from err
     for column, fields in REQUIRED.items():
@@ -82,45 +183,63 @@ def check_pool_file(path: Path) -> PoolFileCheck:
                 f"{path}: `{column}` has {have}, not {', '.join(fields)}; {EXPECTED} (a training parquet has no "
                 "candidates; import it with `rlep train`, or collect a pool with `rlep collect`)"
             )
-    parquet = pq.ParquetFile(path)
+    if problem := _type_problem(schema):
+        raise PoolFileError(f"{path}: {problem}; {EXPECTED}")
     refused: Counter = Counter()
-    for batch in parquet.iter_batches(batch_size=ROW_BATCH, columns=list(REQUIRED)):
-        refused.update(problem for row in batch.to_pylist() if (problem := row_problem(row)))
-    return PoolFileCheck(parquet.metadata.num_rows, refused)
-
-
-def read_pool_rows(path: Path, pool: str, batch_rows: int = ROW_BATCH) -> Iterator[replay_pb2.PoolChunk]:
-    """Yields import chunks of `batch_rows` rows; rows `row_problem` refuses are left out (`check_pool_file` first)."""
-    parquet = pq.ParquetFile(path)
-    run_id = f"import:{Path(path).name}"
-    for batch in parquet.iter_batches(batch_size=batch_rows):
-        chunk = replay_pb2.PoolChunk(pool=pool)
+    skipped = 0
+    conflicts = QuestionIdConflicts()
+    index = 0
+    for batch in parquet.iter_batches(batch_size=ROW_BATCH):
         for row in batch.to_pylist():
-            if row_problem(row):
+            if problem := row_problem(row, limits):
+                refused[problem] += 1
+            else:
+                conflicts.add(index, row, verl_prompt(row))
+                skipped += _row_candidates(row, limits)[1]
+            index += 1
+    if conflicts.count:
+        raise PoolFileError(f"{path}: {conflicts.describe()}; nothing imported")
+    return PoolFileCheck(parquet.metadata.num_rows, refused, skipped, Path(path), parquet)
+
+
+def read_pool_rows(
+    source: Path | PoolFileCheck, pool: str, limits: RowLimits = RowLimits()
+) -> Iterator[replay_pb2.PoolChunk]:
+    """Yields import chunks of at most `CHUNK_TRAJECTORIES` trajectories and about `CHUNK_BYTES` bytes; rows
+    `row_problem` refuses and candidates over size are left out. `source`: a checked file (`check_pool_file`,
+    read through the handle it checked) or a path. A row with more candidates than a chunk holds is split
+    across chunks, its question sent with each part (adds are idempotent)."""
+    if isinstance(source, PoolFileCheck):
+        parquet, path = source.parquet, source.path
+    else:
+        parquet, path = pq.ParquetFile(source), Path(source)
+    run_id = f"import:{path.name}"
+    chunk, size = replay_pb2.PoolChunk(pool=pool), 0
+    for batch in parquet.iter_batches(batch_size=ROW_BATCH):
+        for row in batch.to_pylist():
+            if row_problem(row, limits):
                 continue
-            prompt = verl_prompt(row)
-            source = row.get("data_source") or ""
-            reward_model = row.get("reward_model") or {}
-            extra = row.get("extra_info") or {}
-            qid = verl_question_id(row, prompt)
-            chunk.questions.add(
-                question_id=qid,
-                ground_truth=str(reward_model.get("ground_truth", "")),
-                data_source=source,
-                index=int(extra["index"]) if extra.get("index") is not None else -1,
-                prompt=[replay_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt],
-            )
-            for candidate in reward_model.get("candidates") or []:
-                if candidate:
-                    chunk.trajectories.add(
-                        question_id=qid,
-                        response_text=candidate,
-                        reward=1.0,
-                        verdict=trajectory_pb2.CORRECT,
-                        source=trajectory_pb2.REPLAY,
-                        policy_version=CANDIDATE_VERSION,
-                        run_id=run_id,
-                    )
+            question, in_chunk = row_question(row), False
+            for candidate, candidate_bytes in _row_candidates(row, limits)[0]:
+                cost = candidate_bytes + TRAJECTORY_OVERHEAD
+                if chunk.trajectories and (len(chunk.trajectories) >= CHUNK_TRAJECTORIES or size + cost > CHUNK_BYTES):
+                    yield chunk
+                    chunk, size, in_chunk = replay_pb2.PoolChunk(pool=pool), 0, False
+                if not in_chunk:  # the question goes with each chunk holding some of its candidates
+                    chunk.questions.append(question)
+                    size += question.ByteSize()
+                    in_chunk = True
+                chunk.trajectories.add(
+                    question_id=question.question_id,
+                    response_text=candidate,
+                    reward=1.0,
+                    verdict=trajectory_pb2.CORRECT,
+                    source=trajectory_pb2.REPLAY,
+                    policy_version=CANDIDATE_VERSION,
+                    run_id=run_id,
+                )
+                size += cost
+    if chunk.trajectories:
         yield chunk
 
 
@@ -139,9 +258,47 @@ POOL_SCHEMA = pa.schema(
 
 
 def write_pool_rows(chunks: Iterable[replay_pb2.PoolChunk], path: Path) -> int:
-    """Writes exported chunks as verl parquet rows; returns the number of rows."""
+    """Writes exported chunks as verl parquet rows; returns the number of rows.
+
+    The rows go to a temporary file beside `path`, which replaces `path` only once every chunk is written and
+    synced: an export stopped midway (killed, the stream broken) leaves `path` as it was, never a valid-looking
+    file of part of the pool. A symlink at `path` is refused (PoolFileError), not followed.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise PoolFileError(f"{path} is a symbolic link; export writes a file of its own: name another path")
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        # mkstemp makes the file 0600: give the result the mode an ordinary new file (or the replaced one) has.
+        os.fchmod(fd, _file_mode(path))
+        with os.fdopen(fd, "wb") as file:
+            rows_written = _write_rows(chunks, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+    return rows_written
+
+
+def _file_mode(path: Path) -> int:
+    if path.exists():
+        return stat.S_IMODE(path.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_rows(chunks: Iterable[replay_pb2.PoolChunk], file: BinaryIO) -> int:
     rows_written = 0
-    with pq.ParquetWriter(path, POOL_SCHEMA) as writer:
+    with pq.ParquetWriter(file, POOL_SCHEMA) as writer:
         for chunk in chunks:
             candidates: dict[str, list[str]] = {}
             for traj in chunk.trajectories:

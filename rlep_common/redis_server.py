@@ -13,7 +13,13 @@ cleanly (SIGTERM: Redis fsyncs its AOF and exits) before starting its own.
 
 The server requires a password: a random one per data directory, kept in `<dir>/redis.password`
 (mode 0600) so a restart uses the same, and passed through a 0600 config file rather than the
-command line, where every local user could read it.
+command line, where every local user could read it. Both files are written atomically (temporary file,
+fsync, rename, directory fsync), so a power cut leaves the old file or the new one; an empty password file (one
+written by an older version without fsync) counts as missing and a new password is made.
+
+The start waits while Redis reports that it is loading its AOF (a 10^6-trajectory AOF takes seconds), so the
+start bound applies to a server that neither answers nor loads. redis-server's stdout and stderr go to its log
+file: a start that fails quotes the log's last lines, where a FATAL config error is.
 """
 
 from __future__ import annotations
@@ -33,12 +39,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 from rlep.common.ports import free_port
 
-# A cold redis-server starts in milliseconds; allow for a loaded CI machine and an AOF replay.
+# A cold redis-server starts in milliseconds; allow for a loaded CI machine. Time spent loading the AOF
+# (Redis answers LOADING) does not count: it grows with the pool (8 s for 10^6 trajectories).
 REDIS_START_TIMEOUT_S = 30.0
+# While Redis loads its AOF, say so this often, so a long start is visibly progressing.
+LOADING_REPORT_S = 10.0
+# Lines of redis.log quoted in the error of a failed start (a FATAL config error is 4-5 lines).
+LOG_LINES_QUOTED = 8
 # A SIGTERMed Redis writes nothing but a final fsync; a large AOF rewrite in flight can take longer.
 ORPHAN_STOP_TIMEOUT_S = 30.0
 # An owner that is exiting (a stopped or killed Ray actor) releases the directory a moment later.
@@ -69,19 +80,44 @@ def redis_server_binary() -> str:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Writes `text` to a file only its owner can read (created 0600, never briefly wider)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+    """Writes `text` to a file only its owner can read (0600, never briefly wider), atomically and durably.
+
+    A power cut right after an in-place write can leave the file empty (its data was never flushed). Here the
+    text goes to a temporary file in the same directory, is fsynced, renamed over `path`, and the directory is
+    fsynced so the rename itself survives: after a cut, `path` holds the old text or the new, whole.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a leftover temporary keeps its old mode through O_CREAT
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def data_dir_password(data_dir: Path) -> str:
-    """The data directory's Redis password, created (random, 0600) on first use."""
+    """The data directory's Redis password, created (random, 0600) on first use.
+
+    An empty file is one whose write a power cut interrupted: it holds no password anyone used, so a new one is made.
+    """
     path = data_dir / PASSWORD_FILE
-    if not path.exists():
-        _write_private(path, secrets.token_hex(24) + "\n")
-    return path.read_text().strip()
+    password = path.read_text().strip() if path.exists() else ""
+    if not password:
+        if path.exists():
+            log.warning("%s is empty (a cut during its first write?); writing a new password", path)
+        password = secrets.token_hex(24)
+        _write_private(path, password + "\n")
+    return password
 
 
 def _pid_alive(pid: int) -> bool:
@@ -271,6 +307,8 @@ def _start_and_wait(
 ) -> LocalRedis:
     """One redis-server start on `port`; raises _PortTaken when it exits because the port is in use."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     log_file = data_dir / LOG_FILE
     log_from = _size(log_file)
@@ -280,32 +318,50 @@ def _start_and_wait(
     # The kernel signals when the creating *thread* exits: tie the server to the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
     tie_to_owner = sys.platform.startswith("linux") and die_with_owner and main_thread
-    process = subprocess.Popen(
-        args,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
-    )
+    # Its stderr goes to the log too: errors before Redis opens `--logfile` (a FATAL config error) only go there.
+    with log_file.open("ab") as log_out:
+        process = subprocess.Popen(
+            args,
+            stdout=log_out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent_hook(os.getpid()) if tie_to_owner else None,  # noqa: PLW1509 - prctl only
+        )
     (data_dir / PID_FILE).write_text(f"{process.pid}\n")
     server = LocalRedis(process, port, data_dir, password, None, appendfsync, tuple(extra_args))
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    client = redis.Redis(port=port, password=password, socket_connect_timeout=1, socket_timeout=1)
+    next_report = time.monotonic() + LOADING_REPORT_S
+    # No retries inside redis-py (by default 10, ~5 s of backoff): this loop sees each LOADING answer and exit.
+    no_retry = Retry(NoBackoff(), 0)
+    client = redis.Redis(port=port, password=password, socket_connect_timeout=1, socket_timeout=1, retry=no_retry)
     while True:
         try:
             if client.ping():
                 server.lock = lock  # the directory's lock is the server's once it answers (a retry still needs it)
                 return server
-        except redis.RedisError:
+        except redis.RedisError as err:
             # Not ours yet: refused, loading its AOF, or (port taken) another process answering in its place.
+            if isinstance(err, redis.BusyLoadingError):  # loading is progress: the bound is for a server doing nothing
+                deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+                if time.monotonic() > next_report:
+                    log.info("redis-server on %s is still loading its AOF", data_dir)
+                    next_report = time.monotonic() + LOADING_REPORT_S
             exited = process.poll() is not None
             if exited or time.monotonic() > deadline:
                 server.stop()  # without the lock, which the caller keeps for a retry or closes
-                said = _read_from(log_file, log_from).splitlines()
-                in_use = [line for line in said if "Address already in use" in line]
-                if exited and in_use:
-                    raise _PortTaken(in_use[-1].strip()) from None
-                raise RuntimeError(f"redis-server did not start; see {log_file}") from None
+                _raise_start_failure(log_file, log_from, process.returncode if exited else None, password)
             time.sleep(0.05)
+
+
+def _raise_start_failure(log_file: Path, log_from: int, exit_code: int | None, password: str) -> NoReturn:
+    """Raises _PortTaken when the log says the port was in use, else a RuntimeError quoting the log's last lines
+    (with the password masked, should a config error quote its line)."""
+    said = _read_from(log_file, log_from).replace(password, "***").splitlines()
+    in_use = [line for line in said if "Address already in use" in line]
+    if exit_code is not None and in_use:
+        raise _PortTaken(in_use[-1].strip()) from None
+    how = f"exited with code {exit_code}" if exit_code is not None else f"did not answer in {REDIS_START_TIMEOUT_S} s"
+    tail = "\n".join(line for line in said[-LOG_LINES_QUOTED:] if line.strip()) or "(nothing logged)"
+    raise RuntimeError(f"redis-server did not start ({how}); {log_file} says:\n{tail}") from None
 
 
 def _read_from(path: Path, offset: int) -> str:

@@ -111,30 +111,40 @@ def import_pool(
     or no importable row, imports nothing and creates no pool."""
     from rich.progress import Progress
 
-    from rlep.common.pool_parquet import ROW_BATCH, PoolFileError, check_pool_file, read_pool_rows
+    from rlep.common.pool_parquet import PoolFileError, RowLimits, check_pool_file, read_pool_rows
+    from rlep.services.replay.config import ReplayConfig
 
+    # Rows are sized against the replay service's default bounds: one over-size row is refused alone instead of
+    # failing its chunk, and with it every re-run of the import.
+    defaults = ReplayConfig.model_fields
+    limits = RowLimits(defaults["max_question_bytes"].default, defaults["max_trajectory_bytes"].default)
     try:
-        check = check_pool_file(path)
+        check = check_pool_file(path, limits)
     except PoolFileError as err:
         raise UserError(str(err)) from err
     if check.importable == 0:
         raise UserError(f"{path}: nothing to import: all {check.rows} rows refused ({check.describe_refused()})")
-    rows = check.rows
     # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
     hint = "\nthe chunks sent before the error are stored; run the same import again to complete it"
     with _rpc_errors_exit(address, hint), Progress() as progress, _client(address, auth_token_file) as client:
-        task = progress.add_task(f"importing {path.name}", total=rows)
+        task = progress.add_task(f"importing {path.name}", total=check.importable)
 
         def chunks():
-            for chunk in read_pool_rows(path, pool):
+            for chunk in read_pool_rows(check, pool, limits):  # the handle checked above, not the path again
                 yield chunk
-                progress.advance(task, min(ROW_BATCH, len(chunk.questions)))
+                progress.advance(task, len(chunk.questions))
 
         reply = client.import_chunks(chunks())
     refused = f"; {sum(check.refused.values())} rows refused ({check.describe_refused()})" if check.refused else ""
+    skipped = (
+        f"; {check.skipped_candidates} candidates over {limits.trajectory_bytes:,} bytes skipped"
+        if check.skipped_candidates
+        else ""
+    )
     typer.echo(
         f"{pool}: added {reply.added}, duplicate {reply.duplicate}, rejected {reply.rejected}, evicted {reply.evicted}"
         + refused
+        + skipped
     )
 
 
@@ -145,13 +155,16 @@ def export_pool(
     address: AddressOpt = DEFAULT_ADDRESS,
     auth_token_file: TokenOpt = None,
 ) -> None:
-    """Write a pool in RLEP's released format (one row per question, successes as candidates)."""
+    """Write a pool in RLEP's released format (one row per question, successes as candidates). The file is written
+    under a temporary name beside PATH and renamed once complete: an interrupted export leaves PATH as it was."""
     from rich.progress import Progress
 
-    from rlep.common.pool_parquet import write_pool_rows
+    from rlep.common.pool_parquet import PoolFileError, write_pool_rows
 
     if not path.parent.is_dir():
         raise UserError(f"folder {path.parent} does not exist; create it first, or write {path.name} elsewhere")
+    if path.is_symlink():  # checked before any RPC; write_pool_rows refuses it again
+        raise UserError(f"{path} is a symbolic link; export writes a file of its own: name another path")
     with _rpc_errors_exit(address), Progress() as progress, _client(address, auth_token_file) as client:
         task = progress.add_task(f"exporting {pool}", total=client.stats(pool).questions)
 
@@ -160,7 +173,10 @@ def export_pool(
                 yield chunk
                 progress.advance(task, len(chunk.questions))
 
-        rows = write_pool_rows(chunks(), path)
+        try:
+            rows = write_pool_rows(chunks(), path)
+        except PoolFileError as err:
+            raise UserError(str(err)) from err
     typer.echo(f"wrote {rows} questions to {path}")
 
 

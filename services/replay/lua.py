@@ -5,8 +5,11 @@ local p, pools_key, pool = ARGV[1], ARGV[2], ARGV[3]
 local cap, eviction, nq = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local meta = p .. ':meta'
 redis.call('SADD', pools_key, pool)
-redis.call('HSETNX', meta, 'capacity', cap)
+-- A pool created by this script keeps `counts` (successes -> questions holding that many) from its first add,
+-- so GetPoolStats reads a few fields instead of every question; older pools lack the `counted` mark.
+if redis.call('HSETNX', meta, 'capacity', cap) == 1 then redis.call('HSET', meta, 'counted', 1) end
 redis.call('HSETNX', meta, 'eviction', eviction)
+local counted = redis.call('HEXISTS', meta, 'counted') == 1
 local i = 7
 for _ = 1, nq do
   redis.call('HSET', p .. ':qmeta', ARGV[i], ARGV[i + 1])
@@ -52,10 +55,14 @@ while i <= #ARGV do
     redis.call('HINCRBY', p .. ':versions', ver, 1)
     redis.call('HINCRBY', p .. ':lengths', bucket, 1)
     added = added + 1
-    if redis.call('ZCARD', qk .. ':ids') > tonumber(redis.call('HGET', meta, 'capacity')) then
+    local held = redis.call('ZCARD', qk .. ':ids')
+    if held > tonumber(redis.call('HGET', meta, 'capacity')) then
       local order = redis.call('HGET', meta, 'eviction') == 'oldest' and ':ids' or ':prio'
       remove(qk, redis.call('ZRANGE', qk .. order, 0, 0)[1])
       evicted = evicted + 1
+    elseif counted then  -- the question moved from held - 1 successes to held (an eviction keeps its count)
+      if held > 1 then redis.call('HINCRBY', p .. ':counts', held - 1, -1) end
+      redis.call('HINCRBY', p .. ':counts', held, 1)
     end
   end
 end

@@ -7,7 +7,6 @@ the mean and standard deviation of response lengths and the three histograms, ea
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 
 # (label, count) rows of a histogram, in the order they are reported.
@@ -24,7 +23,7 @@ class PoolCounters:
     payload_bytes: int
     capacity: int  # successes kept per question
     eviction: str
-    successes_per_question: tuple[int, ...]  # one entry per question: its stored successes
+    successes_per_question: dict[int, int]  # successes -> questions holding that many (non-zero only)
     length_buckets: dict[str, int]  # `sampling.length_bucket` label -> trajectories (non-zero only)
     policy_versions: dict[int, int]  # policy version -> trajectories (non-zero only)
     redis_used_memory_bytes: int
@@ -53,9 +52,9 @@ def pool_stats(counters: PoolCounters) -> PoolStats:
     mean = counters.tokens_sum / total if total else 0.0
     # Rounding can take sum(x^2)/n - mean^2 below zero for nearly equal lengths: clamp before the root.
     variance = max(counters.tokens_sq_sum / total - mean * mean, 0.0) if total else 0.0
-    per_question = collections.Counter(counters.successes_per_question)
+    per_question = counters.successes_per_question
     return PoolStats(
-        questions=len(counters.successes_per_question),
+        questions=sum(per_question.values()),
         trajectories=total,
         mean_response_tokens=mean,
         std_response_tokens=variance**0.5,

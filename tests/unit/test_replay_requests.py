@@ -106,7 +106,7 @@ def counters(**fields) -> PoolCounters:
         "payload_bytes": 0,
         "capacity": 64,
         "eviction": "oldest",
-        "successes_per_question": (),
+        "successes_per_question": {},
         "length_buckets": {},
         "policy_versions": {},
         "redis_used_memory_bytes": 1,
@@ -122,7 +122,7 @@ def test_pool_stats_figures_and_histogram_order():
             tokens_sum=30,
             tokens_sq_sum=4 + 16 + 16 + 400,
             payload_bytes=400,
-            successes_per_question=(2, 1, 1),
+            successes_per_question={2: 1, 1: 2},
             length_buckets={"16-31": 1, "2-3": 1, "4-7": 2},
             policy_versions={10: 1, 2: 3},
         )
