@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -131,6 +132,70 @@ def idle_streams(address: str, method, other_call, count: int) -> dict:
     return figures
 
 
+def unread_exports(address: str, stub, count: int) -> dict:
+    """Issue 46 item 1: `count` ExportPool calls of a 20 MB pool that never read (one connection whose flow-control
+    window never grows); how the others fare, and when an honest export gets a slot again."""
+    pool = "hostile-export"
+    for q in range(40):
+        rows = [success(f"q{q}", i, response_text=f"{i} " + "x" * 65536) for i in range(8)]
+        stub.AddTrajectories(add_request(pool, rows), timeout=30)
+    stuck = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+    request = replay_pb2.ExportPoolRequest(pool=pool)
+    exports = [replay_pb2_grpc.ReplayBufferStub(stuck).ExportPool(request) for _ in range(count)]  # never read
+    opened = time.monotonic()
+    time.sleep(1.0)  # let the admitted ones reach their handlers (a measurement pause, not a synchronisation)
+    list_pools = lambda: stub.ListPools(replay_pb2.ListPoolsRequest(), timeout=5)  # noqa: E731
+    figures = {
+        "exports": count,
+        "refused_at_once": dict(Counter(e.code().name for e in exports if e.done())),
+        "health_max_s": timed_max(lambda: health_check_s(address)),
+        "list_pools_max_s": timed_max(list_pools),
+    }
+    honest = lambda: sum(1 for _ in stub.ExportPool(request, timeout=60))  # noqa: E731
+    while code_of(honest) == "RESOURCE_EXHAUSTED" and time.monotonic() - opened < 120:
+        time.sleep(0.2)
+    figures["honest_export_admitted_after_s"] = round(time.monotonic() - opened, 1)
+    for export in exports:
+        export.cancel()
+    stuck.close()
+    stub.DropPool(replay_pb2.DropPoolRequest(pool=pool, confirm=pool), timeout=60)
+    return figures
+
+
+class Trickle:
+    """An ImportPool stream naming its pool, then sending an empty chunk every `every_s` until released."""
+
+    def __init__(self, pool: str, every_s: float, release: threading.Event):
+        self.pool, self.every_s, self.release, self.sent = pool, every_s, release, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.sent += 1
+        if self.sent > 1 and self.release.wait(self.every_s):
+            raise StopIteration
+        return replay_pb2.PoolChunk(pool=self.pool if self.sent == 1 else "")
+
+
+def trickling_imports(address: str, stub, idle_timeout_s: float = 30.0) -> dict:
+    """Issue 46 item 2: 4 ImportPool streams sending an empty chunk every 0.8 x the idle timeout; when they end,
+    and how 14 honest imports fare once they have."""
+    release = threading.Event()
+    streams = [stub.ImportPool.future(Trickle("hostile-trickle", 0.8 * idle_timeout_s, release)) for _ in range(4)]
+    opened = time.monotonic()
+    ended = Counter(code_of(lambda s=s: s.result(timeout=10 * idle_timeout_s)) for s in streams)
+    figures = {"streams": 4, "ended_with": dict(ended), "all_ended_after_s": round(time.monotonic() - opened, 1)}
+    release.set()
+    chunks = [add_request("hostile-trickle", [success(f"q{i}", i)]) for i in range(14)]
+    honest = [replay_pb2.PoolChunk(pool=c.pool, trajectories=c.trajectories) for c in chunks]
+    figures["honest_imports_after"] = dict(
+        Counter(code_of(lambda c=c: stub.ImportPool(iter([c]), timeout=10)) for c in honest)
+    )
+    stub.DropPool(replay_pb2.DropPoolRequest(pool="hostile-trickle", confirm="hostile-trickle"), timeout=60)
+    return figures
+
+
 def replay_items(work: Path) -> dict:
     out: dict = {}
     replay = Service("replay", data_dir=work / "replay-redis")
@@ -142,6 +207,8 @@ def replay_items(work: Path) -> dict:
             idle_streams(replay.address, lambda c: replay_pb2_grpc.ReplayBufferStub(c).ImportPool, list_pools, n)
             for n in (16, 64)
         ]
+        out["46.1 16 ExportPool calls that never read"] = unread_exports(replay.address, stub, 16)
+        out["46.2 4 ImportPool streams trickling empty chunks"] = trickling_imports(replay.address, stub)
         out["3 embedded Redis kill -9"] = redis_kill(stub, replay)
         out["7 add to pool 'base\\n'"] = code_of(
             lambda: stub.AddTrajectories(add_request("base\n", [success("q", 0)]), timeout=5)
@@ -285,6 +352,21 @@ def verifier_items() -> dict:
         health = timed_max(lambda: health_check_s(verifier.address))
         for call in calls:
             call.cancel()
+        slow_items = [  # each ends TIMEOUT after ~2.6 s of a worker's CPU
+            verifier_pb2.VerifyItem(response=f"\\boxed{{10^{{10^{{10^{{10^{{{k + 2}}}}}}}}}}}", ground_truth="1")
+            for k in range(40)
+        ]
+        slow = stub.Verify.future(verifier_pb2.VerifyRequest(items=slow_items))
+        time.sleep(1.0)  # issue 46 item 5's case: three 1-item calls 1 s into a call of 40 slow items
+        beside_slow: list[float | str] = []
+        for _ in range(3):
+            started = time.perf_counter()
+            try:
+                stub.Verify(request(1), timeout=5)
+                beside_slow.append(round(time.perf_counter() - started, 3))
+            except grpc.RpcError as err:
+                beside_slow.append(err.code().name)
+        slow.cancel()
     finally:
         verifier.stop()
     return {
@@ -292,7 +374,86 @@ def verifier_items() -> dict:
             "answered_in_s": small,
             "big_call_still_running": big_still_running,
         },
+        "46.5 one-item calls (5 s deadlines) beside 40 slow items": {"answered_in_s_or_code": beside_slow},
         "2 health beside sixteen 400-item calls": {"health_max_s": health, "refused_at_once": dict(refused)},
+    }
+
+
+def hostile_scorer(answers: dict[str, tuple[bytes, bytes]]) -> str:
+    """A raw HTTP/1.0 scorer on loopback: per path, bytes sent at once and bytes then dripped one per 0.5 s."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request and (chunk := conn.recv(65_536)):
+                request += chunk
+            at_once, dripped = answers[request.split()[1].decode()]
+            try:
+                conn.sendall(at_once)
+                for byte in dripped:
+                    time.sleep(0.5)
+                    conn.sendall(bytes([byte]))
+            except OSError:  # the verifier hung up
+                pass
+
+    def accept() -> None:
+        while True:
+            threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def scorer_items() -> dict:
+    """Issue 46 items 3 and 4: answers that break the parser, and an answer's head dripped a byte per 0.5 s."""
+
+    def reply(body: bytes) -> bytes:
+        return b"HTTP/1.0 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+
+    url = hostile_scorer(
+        {"/overflow": (reply(b"1" + b"0" * 400), b""), "/deep": (reply(b"[" * 5000), b""), "/drip": (b"", reply(b"1"))}
+    )
+    sets = [
+        f"scorers.{name}.{key}={value}"
+        for name in ("overflow", "deep", "drip")
+        for key, value in [
+            ("type", "http"),
+            ("url", f"{url}/{name}"),
+            ("timeout_s", 2),
+            ("retries", 1),
+            ("backoff_s", 0.1),
+        ]
+    ]
+    verifier = Service("verifier", *sets)  # default max_calls_in_flight: 14 hung calls took every slot
+    stub = verifier_pb2_grpc.VerifierStub(make_channel(verifier.address))
+
+    def call(source: str, timeout: float) -> tuple[str, float]:
+        item = verifier_pb2.VerifyItem(response="\\boxed{2}", ground_truth="2", data_source=source)
+        started = time.perf_counter()
+        try:
+            [result] = stub.Verify(verifier_pb2.VerifyRequest(items=[item]), timeout=timeout).results
+            outcome = result.DESCRIPTOR.fields_by_name["verdict"].enum_type.values_by_number[result.verdict].name
+        except grpc.RpcError as err:
+            outcome = err.code().name
+        return outcome, round(time.perf_counter() - started, 3)
+
+    try:
+        with ThreadPoolExecutor(24) as threads:
+            bad = [threads.submit(call, ("overflow", "deep")[i % 2], 60) for i in range(14)]
+            math = [threads.submit(call, "", 5) for _ in range(10)]
+            bad_outcomes, math_outcomes = [f.result() for f in bad], [f.result() for f in math]
+        drip = call("drip", 60)
+    finally:
+        verifier.stop()
+    return {
+        "46.3 fourteen calls answered 1e400-as-int or 5,000 '[', beside ten math calls": {
+            "bad_calls": dict(Counter(o for o, _ in bad_outcomes)),
+            "bad_calls_max_s": max(s for _, s in bad_outcomes),
+            "math_calls": dict(Counter(o for o, _ in math_outcomes)),
+            "math_calls_max_s": max(s for _, s in math_outcomes),
+        },
+        "46.4 answer head dripped 1 byte / 0.5 s (timeout_s 2, 1 retry)": {"verdict": drip[0], "seconds": drip[1]},
     }
 
 
@@ -312,6 +473,14 @@ def eval_items(work: Path) -> dict:
                 f"{evals.url}/v1/evaluations", content=body, headers={"Content-Type": "application/json"}
             ).status_code
             for body in ('{"n": NaN}', '{"n": Infinity}', '{"n": 1e400}', '{"model": "\\ud800"}')
+        }
+        with httpx.Client(timeout=10) as http:  # issue 46 item 10: a 1 KB method of its own per request
+            for number in range(3000):
+                http.request(f"M{number:04d}" + "X" * 1020, f"{evals.url}/v1/evaluations")
+            metrics = http.get(f"{evals.url}/metrics").text
+        out["46.10 request-latency series after 3,000 odd methods"] = {
+            "series": sum(line.startswith("rlep_eval_request_seconds_count") for line in metrics.splitlines()),
+            "/metrics bytes": len(metrics),
         }
     finally:
         evals.stop()
@@ -457,6 +626,7 @@ def hammer(call, clients: int, seconds: float, items_per_call: int) -> dict:
 PARTS = {
     "replay": lambda work, args: replay_items(work),
     "verifier": lambda work, args: verifier_items(),
+    "scorer": lambda work, args: scorer_items(),
     "eval": lambda work, args: eval_items(work),
     "cli": lambda work, args: cli_items(work),
     "rollout": lambda work, args: rollout_items(work),
