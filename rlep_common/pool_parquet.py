@@ -17,10 +17,8 @@ out one by one, counted). Chunks are cut by trajectories and bytes. Export repla
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlep.common.atomic_file import atomic_write
 from rlep.common.dataset import QuestionIdConflicts, verl_prompt, verl_question_id
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
@@ -267,24 +266,8 @@ def write_pool_rows(chunks: Iterable[replay_pb2.PoolChunk], path: Path) -> int:
     path = Path(path)
     if path.is_symlink():
         raise PoolFileError(f"{path} is a symbolic link; export writes a file of its own: name another path")
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        # mkstemp makes the file 0600: give the result the mode an ordinary new file (or the replaced one) has.
-        os.fchmod(fd, _file_mode(path))
-        with os.fdopen(fd, "wb") as file:
-            rows_written = _write_rows(chunks, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
+    with atomic_write(path, _file_mode(path)) as file:  # the mode an ordinary new file (or the replaced one) has
+        rows_written = _write_rows(chunks, file)
     return rows_written
 
 

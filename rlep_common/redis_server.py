@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, NoReturn
 
+from rlep.common.atomic_file import atomic_write
 from rlep.common.ports import free_port
 
 # A cold redis-server starts in milliseconds; allow for a loaded CI machine. Time spent loading the AOF
@@ -80,29 +81,10 @@ def redis_server_binary() -> str:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Writes `text` to a file only its owner can read (0600, never briefly wider), atomically and durably.
-
-    A power cut right after an in-place write can leave the file empty (its data was never flushed). Here the
-    text goes to a temporary file in the same directory, is fsynced, renamed over `path`, and the directory is
-    fsynced so the rename itself survives: after a cut, `path` holds the old text or the new, whole.
-    """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # a leftover temporary keeps its old mode through O_CREAT
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Writes `text` to a file only its owner can read (0600, never briefly wider), atomically and durably: a power
+    cut right after an in-place write could leave the file empty (its data never flushed)."""
+    with atomic_write(path, 0o600) as out:
+        out.write(text.encode())
 
 
 def data_dir_password(data_dir: Path) -> str:

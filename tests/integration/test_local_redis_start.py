@@ -25,7 +25,7 @@ def test_an_empty_password_file_gets_a_new_password(tmp_path):
         kept = data_dir / PASSWORD_FILE
         assert len(server.password) == 48 and kept.read_text().strip() == server.password
         assert stat.S_IMODE(kept.stat().st_mode) == 0o600
-        assert not list(data_dir.glob(".*.tmp"))  # the atomic write left no temporary behind
+        assert not list(data_dir.glob(".*.partial"))  # the atomic write left no temporary behind
     finally:
         server.stop()
 
