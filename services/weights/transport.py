@@ -255,7 +255,7 @@ def setup_weight_transport(
 def is_local(address: str) -> bool:
     """Whether a `host:port` address is on this host (so it can read this host's shared memory)."""
     host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
+    if is_loopback(host):
         return True
     try:
         return host in {socket.gethostbyname(socket.gethostname()), socket.getfqdn()}
