@@ -418,38 +418,29 @@ def test_zero3_keeps_its_prefetch_trace_over_micro_batches_of_different_lengths(
 
 
 @pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
-def test_a_kl_term_compares_with_the_frozen_starting_weights(ray_local, model_dir, batch, stage, processes):
-    """The reference is the starting checkpoint and stays it while the policy trains (partitioned under ZeRO-3);
-    the step's statistics carry the KL estimate, 0 before the policy moves and positive after."""
-    policy = start_policy(model_dir, stage, processes, algorithm={"kl_coef": 0.1, "entropy_coef": 0.01})
-    try:
-        old, ref = policy.logprobs(batch), policy.reference_logprobs(batch)
-        stats = policy.update(batch.with_old_logprobs(old).with_ref_logprobs(ref), rows_per_mini_batch=batch.size)
-        moved, still = policy.logprobs(batch), policy.reference_logprobs(batch)
-        second = policy.update(batch.with_old_logprobs(moved).with_ref_logprobs(still), batch.size)
-    finally:
-        policy.close()
-    mask = batch.loss_mask.bool()
-    torch.testing.assert_close(ref[mask], old[mask], atol=1e-5, rtol=0.0)  # the same weights, before any update
-    assert torch.equal(still, ref)  # frozen
-    assert (moved[mask] - old[mask]).abs().max() > 1e-4  # while the policy moved
-    assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one mini-batch: scored before its only update
-    assert second["kl_ref"] > 1e-7
+def test_the_processed_view_then_a_kl_term_against_the_frozen_starting_weights(
+    ray_local, model_dir, batch, stage, processes
+):
+    """One policy per ZeRO case (each start costs seconds of engine set-up), two behaviours in order:
 
+    `logprobs_with_processed` (each rank its rows, summed), before any update: its logprobs are `logprobs`'; its
+    processed ones at T=1, top_p=1 the raw logprobs, at T=0.7, top_p=0.9 those of transformers' logits through
+    `processed_logprobs` on the same weights.
 
-@pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
-def test_the_processed_view_is_the_tempered_nucleus_of_the_same_forward(ray_local, model_dir, batch, stage, processes):
-    """`logprobs_with_processed` of a DeepSpeed policy (each rank its rows, summed): its logprobs are `logprobs`';
-    its processed ones at T=1, top_p=1 the raw logprobs, at T=0.7, top_p=0.9 those of transformers' logits through
-    `processed_logprobs` on the same weights."""
+    Then the KL term: the reference is the starting checkpoint and stays it while the policy trains (partitioned
+    under ZeRO-3); the step's statistics carry the KL estimate, 0 before the policy moves and positive after."""
     from transformers import AutoModelForCausalLM
 
     from rlep.services.learner.batch import processed_logprobs
 
-    policy = start_policy(model_dir, stage, processes)
+    policy = start_policy(model_dir, stage, processes, algorithm={"kl_coef": 0.1, "entropy_coef": 0.01})
     try:
         raw, (alongside, untempered) = policy.logprobs(batch), policy.logprobs_with_processed(batch, 1.0, 1.0)
         _, tempered = policy.logprobs_with_processed(batch, 0.7, 0.9)
+        old, ref = policy.logprobs(batch), policy.reference_logprobs(batch)
+        stats = policy.update(batch.with_old_logprobs(old).with_ref_logprobs(ref), rows_per_mini_batch=batch.size)
+        moved, still = policy.logprobs(batch), policy.reference_logprobs(batch)
+        second = policy.update(batch.with_old_logprobs(moved).with_ref_logprobs(still), batch.size)
     finally:
         policy.close()
     mask = batch.loss_mask.bool()
@@ -464,3 +455,9 @@ def test_the_processed_view_is_the_tempered_nucleus_of_the_same_forward(ray_loca
     finite = mask & torch.isfinite(expected)
     torch.testing.assert_close(tempered[finite], expected[finite], atol=1e-4, rtol=0.0)
     assert (tempered[finite] - raw[finite]).abs().max() > 1e-2  # a different distribution from the raw one
+
+    torch.testing.assert_close(ref[mask], old[mask], atol=1e-5, rtol=0.0)  # the same weights, before any update
+    assert torch.equal(still, ref)  # frozen
+    assert (moved[mask] - old[mask]).abs().max() > 1e-4  # while the policy moved
+    assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one mini-batch: scored before its only update
+    assert second["kl_ref"] > 1e-7
