@@ -111,6 +111,16 @@ class ServerConfig(TlsFiles):
         return self
 
     @model_validator(mode="after")
+    def _metrics_port_is_its_own(self) -> ServerConfig:
+        # Caught here, before binding: the second bind would fail as "port in use" by this very service.
+        if self.port and self.metrics_port == self.port:
+            raise ValueError(
+                f"port and metrics_port are the same ({self.port}): /metrics needs a port of its own; "
+                "give --metrics-port another one (0 = any free port)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _token_file_exists(self) -> ServerConfig:
         if self.auth_token_file is not None and not self.auth_token_file.is_file():
             raise ValueError(f"auth_token_file {self.auth_token_file} does not exist")

@@ -233,9 +233,10 @@ def eval_command(
     """
     from pydantic import ValidationError
 
-    from rlep.services.cli.eval import parse_datasets, run_eval
+    from rlep.services.cli.eval import check_server_url, parse_datasets, request_error, run_eval
     from rlep.services.eval.api import EvaluationRequest
 
+    check_server_url(server)
     options = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
     try:
         request = EvaluationRequest(
@@ -244,7 +245,7 @@ def eval_command(
             **{name: value for name, value in options.items() if value is not None},
         )
     except ValidationError as err:
-        raise typer.BadParameter(str(err)) from err
+        raise request_error(err, {"model": model, **options}) from err
     run_eval(server, auth_token_file, request, as_json=as_json, samples_file=samples)
 
 

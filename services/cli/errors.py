@@ -39,9 +39,12 @@ class RlepGroup(TyperGroup):
             if ctx.meta.get("rlep.verbose"):
                 traceback.print_exc()
             from rich.console import Console
+            from rich.markup import escape
 
             message = f"{err}; pass a file holding the token" if isinstance(err, TokenFileError) else str(err)
-            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+            # The message as it is: `amc23:two:` is no emoji code, a path with [brackets] no markup.
+            console = Console(stderr=True, highlight=False, emoji=False)
+            console.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
             raise typer.Exit(USER_ERROR_EXIT_CODE) from None
 
 

@@ -4,32 +4,67 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from rlep.common.errors import UserError
 from rlep.services.cli.errors import reaching, read_token
 from rlep.services.eval.api import DatasetRequest, EvaluationJob, EvaluationRequest, JobStatus
 from rlep.services.eval.client import EvalApiError, EvalClient
+from rlep.services.eval.inputs import BUILTIN_DATASETS, USER_FILE_SUFFIXES
 
 
 def parse_datasets(text: str) -> list[DatasetRequest]:
-    """`"aime24,amc23:10"` -> aime24 whole, the first 10 questions of amc23. A name may be a file path."""
+    """`"aime24,amc23:10"` -> aime24 whole, the first 10 questions of amc23. A name may be a file path.
+
+    An item that is no dataset name as a whole (a built-in set, a .jsonl or .parquet path) and holds a `:` is
+    NAME:COUNT, so what follows the last `:` must be a positive integer (`amc23:two` is refused here, not sent
+    to the server as a dataset named "amc23:two")."""
     datasets = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         name, _, limit = item.rpartition(":")
-        if name and limit.isdigit():
+        if name and limit.isdigit() and int(limit) > 0:
             datasets.append(DatasetRequest(name=name, limit=int(limit)))
+        elif name and not (item in BUILTIN_DATASETS or item.endswith(USER_FILE_SUFFIXES)):
+            raise UserError(
+                f"--datasets {item}: the count after ':' must be a positive integer (got {limit!r}), "
+                f"e.g. --datasets {name}:10"
+            )
         else:
             datasets.append(DatasetRequest(name=item))
     if not datasets:
         raise typer.BadParameter("name at least one dataset, e.g. --datasets aime24,amc23:10")
     return datasets
+
+
+def check_server_url(server: str) -> None:
+    """Refuses a --server without http:// or https:// (httpx would say only that the URL lacks a protocol, and
+    `reaching` would then suggest starting a service that is running)."""
+    from urllib.parse import urlsplit
+
+    if urlsplit(server).scheme not in ("http", "https"):
+        raise UserError(f"--server {server} is not an http(s) URL; give its scheme, e.g. --server http://{server}")
+
+
+def request_error(err: ValidationError, flags: dict[str, Any]) -> UserError:
+    """pydantic's first complaint about the request as one line that names the flag (`--n 0: ...`); a rule over
+    two fields (greedy sampling) names both flags as given."""
+    first = err.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else None
+    if field in flags:
+        where = f"--{field.replace('_', '-')} {flags[field]}"
+    else:
+        given = [(name, value) for name, value in flags.items() if value is not None and name != "model"]
+        where = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in given)
+    return UserError(f"{where}: {first['msg'].removeprefix('Value error, ')}")
 
 
 def _figure(value: float | None) -> str:

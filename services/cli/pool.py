@@ -161,6 +161,10 @@ def export_pool(
 
     from rlep.common.pool_parquet import PoolFileError, write_pool_rows
 
+    if path.suffix.lower() != ".parquet":  # the bytes are parquet whatever the name says
+        raise UserError(
+            f"{path}: export writes parquet, not {path.suffix or 'a file without suffix'}; name a .parquet file"
+        )
     if not path.parent.is_dir():
         raise UserError(f"folder {path.parent} does not exist; create it first, or write {path.name} elsewhere")
     if path.is_symlink():  # checked before any RPC; write_pool_rows refuses it again

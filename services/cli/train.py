@@ -69,13 +69,34 @@ def check_train_files(files: list[Path], read_schema: bool = True) -> None:
             "no training data given; pass --data FILE (a verl parquet), or a --config with data.train_files"
         )
     for path in files:
-        if not path.is_file():
-            raise UserError(f"training file {path} does not exist; fix data.train_files")
+        if problem := file_problem(path, "--data (config: data.train_files)"):
+            raise UserError(f"training file {path} {problem}")
+        if path.suffix in (".jsonl", ".json"):
+            raise UserError(f"training file {path} is JSON lines; --data takes a {VERL_PARQUET}")
         try:
             if read_schema:
                 read_verl_parquet(path, limit=1)
         except DatasetError as err:
-            raise UserError(f"{err}; give a verl parquet (`prompt`, `reward_model.ground_truth`)") from err
+            raise UserError(f"{shorten(str(err))}; give a {VERL_PARQUET}") from err
+
+
+VERL_PARQUET = "verl parquet file (`prompt`, `reward_model.ground_truth` columns)"
+QUOTE_CHARS = 300  # a library's reason quoted in a one-line message (pyarrow's can run to a whole schema)
+
+
+def shorten(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` on one line, cut to `limit` characters with `...` where it was cut."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def file_problem(path: Path, setting: str) -> str | None:
+    """Why `path` is no data file (missing, a folder) and the fix naming `setting`, or None when it is a file."""
+    if path.is_dir():
+        return f"is a folder; {setting} takes a {VERL_PARQUET} each, e.g. one of the folder's *.parquet files"
+    if not path.is_file():
+        return f"does not exist; fix {setting}"
+    return None
 
 
 def _require_tracking(config) -> None:
@@ -101,8 +122,53 @@ def check_paths(config) -> None:
     check_train_files(config.data.train_files)
     if config.eval.every_steps:
         for path in config.eval.files:
-            if not Path(path).is_file():
-                raise UserError(f"eval file {path} does not exist; fix eval.files")
+            if problem := file_problem(Path(path), "eval.files"):
+                raise UserError(f"eval file {path} {problem}")
+
+
+def check_lora_targets(config) -> None:
+    """With LoRA on, every `lora.target_modules` name is a module of the model (UserError naming the ones it has),
+    read from the model's structure without its weights before Ray and the services start."""
+    if not config.lora.enabled:
+        return
+    from rlep.common.tiny_model import resolve_model
+    from rlep.services.learner.lora import model_skeleton, target_problem
+
+    if problem := target_problem(model_skeleton(resolve_model(config.model)), config.lora):
+        raise UserError(problem)
+
+
+def check_resume(config) -> None:
+    """`--resume` finds a checkpoint to continue from (UserError): it continues a run, and a fresh start in its
+    place would write step 1 again over that run's log and checkpoints (the Helm Job passes it only when there is
+    one). Checked before Ray and the services start; the trainer would only find out once they are up."""
+    ckpt = config.checkpoint.dir
+    if ckpt is None:
+        raise UserError("--resume: checkpoint.dir is not set, so there is no checkpoint; set it, or drop --resume")
+    if not (ckpt / "latest").exists():
+        raise UserError(f"--resume: no checkpoint in {ckpt} (no `latest`); drop --resume to start from step 0")
+
+
+def check_scorers_of(config) -> None:
+    """The Python scorers of the verifier the run starts import from `verifier.scorer_path` and take (response,
+    ground_truth, extra), checked here in one line rather than by the verifier after Ray and vLLM have started."""
+    if config.endpoints.verifier:
+        return
+    from rlep.services.verifier.python_scorer import check_scorers
+
+    try:
+        check_scorers(config.verifier)
+    except ValueError as err:
+        raise UserError(f"verifier: {err}") from None
+
+
+def check_before_start(config, resume: bool) -> None:
+    """What `rlep train` checks before Ray and the services start (each a UserError naming the fix)."""
+    check_paths(config)
+    check_scorers_of(config)
+    check_lora_targets(config)
+    if resume:
+        check_resume(config)
 
 
 def what_will_run(config):
@@ -140,11 +206,11 @@ def train(
     if dry_run:
         from rlep.common.config import dump_config_json
 
+        if not skip_path_checks:  # first: a refusal is one line, not the last line after the 170 of the config
+            check_before_start(resolved, resume)
         typer.echo(dump_config_json(what_will_run(resolved)))
-        if not skip_path_checks:
-            check_paths(resolved)
         return
-    check_paths(resolved)
+    check_before_start(resolved, resume)
     _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.services.launch.training import run_training
@@ -166,6 +232,7 @@ def _collect_config(config: Path | None, sets: list[str] | None, flags: dict):
     check_train_files(resolved.data.train_files, read_schema=False)  # read by `collect` as it loads the questions
     if problem := model_problem(resolved.model):
         raise UserError(problem)
+    check_scorers_of(resolved)
     return resolved
 
 

@@ -13,6 +13,7 @@ over when a service (this one restarted, or another replica) is up.
 from __future__ import annotations
 
 import logging
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from rlep.services.eval.config import EvalConfig
 from rlep.services.eval.inputs import CURRENT_POLICY, checkpoint_files, load_dataset
 from rlep.services.eval.samples import QuestionSamples, first_samples, sample_records
 from rlep.services.eval.store import JobStore, new_attempt
-from rlep.services.rollout.client import RolloutClient
+from rlep.services.rollout.client import RolloutClient, RolloutError
 from rlep.services.rollout.types import Completion, Sampling
 from rlep.services.verifier.client import VerifierClient, verify_groups
 
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 # How long an idle worker waits before looking at the queue again (a local submission wakes it at once;
 # jobs submitted to another replica are found within this delay).
 IDLE_POLL_S = 1.0
+# Characters of a library's reason quoted in a job's error (a rollout error lists every replica's failure).
+REASON_CHARS = 300
 
 
 class JobAbandoned(Exception):
@@ -226,7 +229,10 @@ class JobRunner:
                 if self._stopping.is_set():
                     raise JobAbandoned()
                 chunk = questions[start : start + self._config.questions_per_call]
-                completions = rollout.generate([q.chat() for q in chunk], sampling)
+                try:
+                    completions = rollout.generate([q.chat() for q in chunk], sampling)
+                except RolloutError as err:
+                    raise RolloutError(self._no_replica(request.model, str(err))) from err
                 # A job cancelled while its chunk was generating must not cost verifier time as well.
                 if not self._store.renew_lease(job.id, attempt, self._config.lease_s):
                     raise JobAbandoned()
@@ -267,10 +273,28 @@ class JobRunner:
             raise RuntimeError("this eval service has no checkpoint_rollout deployment configured")
         follow_replicas(target)
         state_dict = load_checkpoint(model, self._config.allowed_roots)
-        version = max(target.versions()) + 1
+        versions = target.versions()
+        if not versions:
+            raise RolloutError(self._no_replica(model, "no replica answered GetStatus"))
+        version = max(versions) + 1
         target.push_weights(state_dict, version)
         log.info("checkpoint %s pushed to eval's rollout deployment as version %d", model, version)
         return target, version
+
+    def _no_replica(self, model: str, reason: str) -> str:
+        """A failed job's error when no replica of the deployment `model` samples from answers: which deployment,
+        where it was looked for, and how to start it or point the service at it; `reason` is cut short."""
+        current = model == CURRENT_POLICY
+        field = "rollout" if current else "checkpoint_rollout"
+        endpoints = self._config.rollout if current else self._config.checkpoint_rollout
+        where = ", ".join(endpoints.names()) if endpoints else "-"
+        key = "service" if endpoints and endpoints.service else "addresses"
+        what = "the policy being trained" if current else "eval's own rollout deployment"
+        start = "`rlep train` or `rlep serve rollout`" if current else "`rlep serve rollout`"
+        return (
+            f"no replica of {what} ({field}: {where}) served model {model!r}; start it ({start}) if it is not "
+            f"running, or point the eval service's {field}.{key} at it ({textwrap.shorten(reason, REASON_CHARS)})"
+        )
 
     def _score_chunk(
         self, dataset: str, first: int, chunk: list[Question], completions: list[Completion], tally: DatasetTally

@@ -97,7 +97,8 @@ class ServiceStack:
             self._start_rollout(auth, rollout_gpus(local, cluster_gpus))
             rollout = RolloutClient.from_ray(self.app_name, **options)  # refresh() follows restarts
         verifier_address = endpoints.verifier or self._start_actor(
-            "verifier", {"num_workers": local.verifier_workers, "server": auth}
+            "verifier",
+            {"num_workers": local.verifier_workers, "server": auth, **self.config.verifier.model_dump(mode="json")},
         )
         verifier = VerifierClient(verifier_address, token=self.token, outage_s=endpoints.service_outage_s)
         self.addresses["verifier"] = verifier_address

@@ -21,6 +21,7 @@ from rlep.services.learner.records import LogRecord, StepRecord
 from rlep.services.learner.tokens import PolicyTokenizer
 from rlep.services.learner.tracking import setup_step_sinks
 from rlep.services.learner.trainer import Trainer
+from rlep.services.verifier.config import ScorerSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def run_training(
     model_dir = Path(resolve_model(config.model))
     questions = load_questions(config.data.train_files)
     eval_questions = load_questions(config.eval.files) if config.eval.files else []
+    say_scorer_routes(config, questions)
     own_stack = stack is None
     stack = stack or ServiceStack(config, model_dir)
     algo = config.algorithm
@@ -112,6 +114,16 @@ def run_training(
             metrics_server[0].stop()
         if own_stack:
             stack.close()
+
+
+def say_scorer_routes(config: TrainConfig, questions) -> None:
+    """Logs which training questions the verifier this run starts scores with its default scorer (math-verify unless
+    set): a warning when `verifier.scorers` was set (a label it misses is likely a typo), else a note."""
+    if config.endpoints.verifier:  # a verifier of its own, whose routes this run does not know
+        return
+    chosen = config.verifier.scorers != ScorerSettings().scorers
+    for line in config.verifier.routing_of(q.data_source for q in questions):
+        log.log(logging.WARNING if chosen else logging.INFO, "scorers: %s", line)
 
 
 LEARNER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

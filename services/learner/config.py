@@ -21,6 +21,7 @@ from rlep.services.learner.algorithm import LossAgg, LossSettings
 from rlep.services.learner.mismatch import Correction
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, GenerateDeadline, port_range_error
+from rlep.services.verifier.config import ScorerSettings
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
 
@@ -301,6 +302,17 @@ class CollectConfig(StrictModel):
     seed: int = 0
     run_id: str = "collect"
 
+    @model_validator(mode="after")
+    def _successes_fit_the_samples(self) -> CollectConfig:
+        # Checked here, before `rlep collect` starts Ray and an engine: no question could reach the bar.
+        if self.min_successes > self.samples_per_question:
+            raise ValueError(
+                f"collect.min_successes (--min-successes) is {self.min_successes} but only "
+                f"{self.samples_per_question} sample(s) per question are drawn (--n), so no question could be kept: "
+                "lower --min-successes or raise --n"
+            )
+        return self
+
 
 class WandbConfig(StrictModel):
     """Weights & Biases run of `rlep train` / `rlep collect` (needs `pip install 'rlep[wandb]'`)."""
@@ -355,6 +367,21 @@ class LoraConfig(StrictModel):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @model_validator(mode="after")
+    def _settings_need_a_rank(self) -> LoraConfig:
+        # Compared with the defaults, not with what was given: the config reaches the learner's Ray actors as a
+        # full dump, where every field counts as given.
+        defaults = LoraConfig.model_construct()
+        changed = [
+            name for name in ("alpha", "target_modules", "dropout") if getattr(self, name) != getattr(defaults, name)
+        ]
+        if self.rank == 0 and changed:
+            raise ValueError(
+                f"lora.rank is 0, which means no LoRA (every weight trains), but lora.{', lora.'.join(changed)} "
+                f"{'is' if len(changed) == 1 else 'are'} set: set lora.rank (e.g. 8) to train adapters, or drop them"
+            )
+        return self
+
 
 class TrainConfig(StrictModel):
     run_id: str = "rlep"
@@ -372,6 +399,9 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointConfig = CheckpointConfig()
     endpoints: EndpointsConfig = EndpointsConfig()
     local: LocalServicesConfig = LocalServicesConfig()
+    verifier: ScorerSettings = ScorerSettings()
+    """Scorers of the verifier this run starts (`scorers`, `default_scorer`, `scorer_path`: docs/rewards.md); a
+    verifier at `endpoints.verifier` has its own, so setting both is refused."""
     data: DataConfig = DataConfig()
     eval: PeriodicEvalConfig = PeriodicEvalConfig()
     weight_sync: WeightSyncConfig = AutoSyncConfig()
@@ -392,6 +422,16 @@ class TrainConfig(StrictModel):
     more than one scrape interval (the compose file sets 30 s against Prometheus' 15 s)."""
     metrics_tls: TlsFiles = TlsFiles()
     """Certificate and key of /metrics: with both set it serves HTTPS only (as every service's port can)."""
+
+    @model_validator(mode="after")
+    def _scorers_reach_the_verifier(self) -> TrainConfig:
+        if self.endpoints.verifier and self.verifier != ScorerSettings():
+            raise ValueError(
+                f"verifier ({', '.join(sorted(self.verifier.model_fields_set))}) configures the verifier this run "
+                f"starts, but endpoints.verifier={self.endpoints.verifier} is used instead: set the scorers in that "
+                "verifier's own config (rlep serve verifier --set scorers...), or leave endpoints.verifier empty"
+            )
+        return self
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:

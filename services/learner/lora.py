@@ -41,6 +41,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     from peft import get_peft_model
     from peft.tuners.lora import Linear, LoraLayer
 
+    if problem := target_problem(model, lora):
+        raise ValueError(problem)
     settings = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -54,6 +56,32 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     if others:
         raise ValueError(f"lora.target_modules: only linear layers can take an adapter here, not {others[:3]}")
     return wrapped
+
+
+def target_problem(model: torch.nn.Module, lora: LoraConfig) -> str | None:
+    """What is wrong with `lora.target_modules` for `model`, or None: a name that matches no module (PEFT adapts
+    the names that match and drops the others without a word; it fails only when none matches). Names match as
+    PEFT matches them: a module's whole name, or its last dotted components."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not unmatched:
+        return None
+    linear = dict.fromkeys(
+        name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    )
+    return (
+        f"lora.target_modules: {', '.join(unmatched)} match{'es' * (len(unmatched) == 1)} no module of this model; "
+        f"its linear layers are {', '.join(linear)}: name those"
+    )
+
+
+def model_skeleton(model_dir: str) -> torch.nn.Module:
+    """The model of the HF checkpoint `model_dir` without its weights (on the meta device: no memory, no load), for
+    checks of its module names before anything starts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -58,6 +58,10 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "Fresh groups dropped last step for being staler than algorithm.max_staleness",
     ),
     "rollout_replicas": ("rlep_learner_rollout_replicas", "Rollout replicas serving at the end of the last step"),
+    "scorer_failures": (
+        "rlep_learner_scorer_failures",
+        "Fraction of the last step's fresh samples the verifier could not score (ERROR or TIMEOUT)",
+    ),
     "rollout_failovers": (
         "rlep_learner_rollout_failovers",
         "Generation shards retried on another replica since the run started (a replica failed mid-request)",

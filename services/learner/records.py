@@ -73,6 +73,9 @@ class StepRecord:
     """Rollout replicas serving at the end of the step (fewer than deployed: some are down or rejoining)."""
     rollout_failovers: int = 0
     """Generation shards retried on another replica since the run started (a replica failed mid-request)."""
+    scorer_failures: float = 0.0
+    """Fraction of the step's fresh samples the verifier could not score (ERROR or TIMEOUT verdict: reward
+    `error_reward`, never a success); above `SCORER_FAILURES_WARN` the step logs a warning."""
     rollout_mismatch_kl: float | None = None
     """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
     policies; the `rollout_mismatch_*` fields are None in logs written before them."""

@@ -69,6 +69,8 @@ __all__ = ["Policy", "Trainer"]
 GENERATIONS_FILE = "generations.jsonl"  # in the run's directory, beside the step log when that is there too
 log = logging.getLogger(__name__)
 
+SCORER_FAILURES_WARN = 0.1  # a step with more unscored fresh samples than this says so: rewards are not the task's
+
 
 class Trainer:
     def __init__(
@@ -304,6 +306,13 @@ class Trainer:
         stale_groups: int,
     ) -> StepRecord:
         flat = [t for group in gathered.fresh for t in group]
+        failures = float(np.mean([t.verdict in (Verdict.ERROR, Verdict.TIMEOUT) for t in flat]))
+        if failures > SCORER_FAILURES_WARN:
+            log.warning(
+                "step %d: the verifier could not score %.0f%% of the fresh samples (verdict ERROR or TIMEOUT, reward "
+                "error_reward): its log names the scorer and why",
+                self.step, 100 * failures,
+            )  # fmt: skip
         return StepRecord(
             step=self.step,
             policy_version=self.version,
@@ -334,6 +343,7 @@ class Trainer:
             groups_dropped_stale=stale_groups,
             rollout_replicas=len(self.services.rollout.serving()),
             rollout_failovers=self.services.rollout.failovers,
+            scorer_failures=failures,
             eval_accuracy=eval_accuracy,
         )
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlep.common.config import ServerConfig, StrictModel
 
@@ -77,7 +79,44 @@ class HttpScorer(ScoreRule):
 ScorerSpec = Annotated[MathScorer | PythonScorer | HttpScorer, Field(discriminator="type")]
 
 
-class VerifierConfig(StrictModel):
+class ScorerSettings(StrictModel):
+    """Which scorer judges which item, and where the verifier finds scorer modules of your own. A section of its
+    own so that `rlep train` and `rlep collect` can give it to the verifier they start (TrainConfig.verifier)."""
+
+    scorers: dict[str, ScorerSpec] = Field(default_factory=lambda: dict(BUILTIN_SCORERS))
+    """`data_source` -> scorer (`type`: math, python or http), as verl's `default_compute_score` routes. An item
+    whose data_source is empty or not listed here gets `default_scorer`: datasets relabel their sources
+    (DAPO-Math-17k says `DAPO-17k`, RLEP's pool `dapo_math`), so an unlisted label must not fail a step. By
+    default the built-in `countdown` task is listed (math-verify could not judge it anyway); a `scorers` you set
+    replaces the default mapping."""
+    default_scorer: ScorerSpec = MathScorer()
+    """The scorer of items whose data_source has no entry in `scorers`."""
+
+    scorer_path: list[Path] = []
+    """Folders searched for `python` scorers' modules before the installed packages (as PYTHONPATH would, but for
+    the verifier and its workers only). Relative folders are taken from the directory the command runs in."""
+
+    def routing_of(self, data_sources: Iterable[str]) -> tuple[str, ...]:
+        """How items with these data_source labels will be scored, one line per label that falls to
+        `default_scorer` (none, or one `scorers` does not list), with its count: said at a run's start so that
+        data silently scored by math-verify shows. Empty when every label has a scorer of its own."""
+        default = self.default_scorer.type
+        counts = Counter(data_sources)
+        unlisted = sorted((source, count) for source, count in counts.items() if source not in self.scorers)
+        return tuple(
+            f"{count} questions with data_source {source!r}: not in verifier.scorers, scored by {default}"
+            if source
+            else f"{count} questions without a data_source: scored by default_scorer ({default})"
+            for source, count in unlisted
+        )
+
+    @field_validator("scorer_path")
+    @classmethod
+    def _absolute_folders(cls, folders: list[Path]) -> list[Path]:
+        return [folder.expanduser().absolute() for folder in folders]
+
+
+class VerifierConfig(ScorerSettings):
     server: ServerConfig = ServerConfig(port=DEFAULT_PORT)
     """Where the gRPC server listens."""
     num_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1, le=256)
@@ -116,14 +155,6 @@ class VerifierConfig(StrictModel):
     """Reward of a CORRECT verdict."""
     reward_wrong: float = -1.0
     """Reward of every other verdict (DAPO's verl recipe uses -1)."""
-    scorers: dict[str, ScorerSpec] = Field(default_factory=lambda: dict(BUILTIN_SCORERS))
-    """`data_source` -> scorer (`type`: math, python or http), as verl's `default_compute_score` routes. An item
-    whose data_source is empty or not listed here gets `default_scorer`: datasets relabel their sources
-    (DAPO-Math-17k says `DAPO-17k`, RLEP's pool `dapo_math`), so an unlisted label must not fail a step. By
-    default the built-in `countdown` task is listed (math-verify could not judge it anyway); a `scorers` you set
-    replaces the default mapping."""
-    default_scorer: ScorerSpec = MathScorer()
-    """The scorer of items whose data_source has no entry in `scorers`."""
 
     @property
     def call_slots(self) -> int:

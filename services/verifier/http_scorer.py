@@ -40,7 +40,7 @@ from rlep.common.types import Verdict
 from rlep.services.verifier.config import HttpScorer
 from rlep.services.verifier.judge import CheckResult
 from rlep.services.verifier.pool import VerifyBatch
-from rlep.services.verifier.python_scorer import parse_extra, score_of, verdict_of
+from rlep.services.verifier.python_scorer import one_line, parse_extra, score_of, verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class RemoteScorer:
             results = self.score_many([item for _, item in chunk], cancelled=lambda: batch.cancelled)
         except Exception:  # a bug here must not leave the batch waiting for positions nobody will fill
             log.exception("http scorer %s: scoring %d items failed", self._where, len(chunk))
-            results = [CheckResult(Verdict.ERROR, "", 0.0) for _ in chunk]
+            results = [CheckResult(Verdict.ERROR, "", 0.0, error="the scorer's client failed (logged)") for _ in chunk]
         for (index, _), result in zip(chunk, results, strict=True):
             batch.set_result(index, result)
 
@@ -128,7 +128,7 @@ class RemoteScorer:
             for r, g, e in items
         ]
         body = json.dumps(bodies if batched else bodies[0]).encode()
-        failure = Verdict.ERROR
+        failure, reason = Verdict.ERROR, "cancelled before it was sent"
         for attempt in range(1 + self._spec.retries):
             if attempt:
                 time.sleep(self._spec.backoff_s * 2 ** (attempt - 1))
@@ -139,16 +139,15 @@ class RemoteScorer:
                 answers = self._answers(answer, len(items)) if batched else [answer]
             except _Retryable as err:
                 log.warning("http scorer %s: attempt %d failed: %s", self._where, attempt + 1, err)
-                failure = Verdict.TIMEOUT if err.timed_out else Verdict.ERROR
+                failure, reason = Verdict.TIMEOUT if err.timed_out else Verdict.ERROR, one_line(err)
                 continue
             except Exception as err:  # a 4xx, a redirect, a body that is not a score: retrying will not help
-                log.warning("http scorer %s: %s", self._where, err)
-                failure = Verdict.ERROR
+                failure, reason = Verdict.ERROR, one_line(err)
                 break
             seconds = (time.perf_counter() - started) / len(items)
             return [self._result(one, seconds) for one in answers]
         seconds = (time.perf_counter() - started) / len(items)
-        return [CheckResult(failure, "", seconds) for _ in items]
+        return [CheckResult(failure, "", seconds, error=reason) for _ in items]
 
     @staticmethod
     def _answers(answer: object, count: int) -> list[object]:
@@ -162,8 +161,7 @@ class RemoteScorer:
         try:
             score, extracted = score_of(answer, self._max_answer_chars)
         except Exception as err:  # not a score; or one that overflows a float (`1` and 400 zeros)
-            log.warning("http scorer %s: %s", self._where, err)
-            return CheckResult(Verdict.ERROR, "", seconds)
+            return CheckResult(Verdict.ERROR, "", seconds, error=one_line(err))
         return CheckResult(verdict_of(score, self._spec.success_threshold), extracted, seconds, score)
 
     def _post(self, body: bytes, max_bytes: int) -> object:

@@ -53,6 +53,8 @@ class CheckResult:
     seconds: float = 0.0
     score: float | None = None
     """A non-math scorer's score (`rlep.services.verifier.python_scorer`); None for math-verify and failed items."""
+    error: str = ""
+    """Why a scorer other than math-verify failed (ERROR, TIMEOUT), in one line: the verifier logs it."""
 
 
 @contextlib.contextmanager

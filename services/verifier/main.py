@@ -10,7 +10,8 @@ from rlep.common.metrics import service_registry
 from rlep.services.verifier.config import VerifierConfig
 from rlep.services.verifier.judge import CheckOptions
 from rlep.services.verifier.pool import VerifyPool
-from rlep.services.verifier.routing import Scorers
+from rlep.services.verifier.python_scorer import use_scorer_path
+from rlep.services.verifier.routing import Scorers, scorer_labels
 from rlep.services.verifier.server import SERVICE, VerifierMetrics, VerifierServicer
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ class RunningVerifier(RunningService):
 
 
 def start_verifier(config: VerifierConfig) -> RunningVerifier:
+    use_scorer_path(config.scorer_path)  # before the pool: its spawned workers import the scorers from there too
     registry = service_registry("verifier")
-    metrics = VerifierMetrics(registry)
+    metrics = VerifierMetrics(registry, scorer_labels(config))
     pool = VerifyPool(
         num_workers=config.num_workers,
         item_timeout_s=config.item_timeout_s,

@@ -302,7 +302,12 @@ class VerifyPool:
             if outcome == "timeout" or head.crashed:
                 sent.popleft()
                 verdict = Verdict.TIMEOUT if outcome == "timeout" else Verdict.ERROR
-                self._finish(head, CheckResult(verdict, "", self.item_timeout_s))
+                why = (
+                    f"over item_timeout_s ({self.item_timeout_s:g} s): worker killed"
+                    if outcome == "timeout"
+                    else ("the worker died on it twice")
+                )
+                self._finish(head, CheckResult(verdict, "", self.item_timeout_s, error=why))
             else:
                 head.crashed = True
                 self._count("resent")

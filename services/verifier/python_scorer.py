@@ -15,15 +15,21 @@ verifier's permissions, so configure only code you trust.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlep.common.strict_json import strict_loads
 from rlep.common.types import Verdict
 from rlep.services.verifier.judge import CheckOptions, CheckResult, cpu_time_limit
+
+if TYPE_CHECKING:
+    from rlep.services.verifier.config import ScorerSettings
 
 ScoreFunction = Callable[[str, str, dict], Any]
 
@@ -42,15 +48,50 @@ class ScoreCall:
 
 
 def load_function(path: str) -> ScoreFunction:
-    """The callable named by `module:function`; ValueError saying what is wrong when there is none."""
+    """The callable named by `module:function`, checked to take `(response, ground_truth, extra)`; ValueError
+    saying what is wrong (in one line: the module's own traceback stays out of it) when there is none."""
     module_name, _, name = path.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"scorer function {path!r} cannot be loaded: {err}") from err
+    except Exception as err:  # ImportError, AttributeError, and whatever the module raises as it is imported
+        hint = "; put the folder holding it in scorer_path" if isinstance(err, ModuleNotFoundError) else ""
+        raise ValueError(f"scorer function {path!r} cannot be loaded: {type(err).__name__}: {err}{hint}") from None
     if not callable(function):
         raise ValueError(f"scorer function {path!r} is not callable")
+    try:
+        inspect.signature(function).bind("response", "ground truth", {})
+    except TypeError as err:
+        raise ValueError(f"scorer function {path!r} must take (response, ground_truth, extra): {err}") from None
+    except ValueError:  # a builtin without a signature to read: called as it is
+        pass
     return function
+
+
+def use_scorer_path(folders: Iterable[Path]) -> None:
+    """Puts `folders` first on this process's module search path, and so on that of the worker processes it
+    spawns afterwards (spawn hands the parent's sys.path on). ValueError naming a folder that does not exist."""
+    folders = list(folders)
+    for folder in folders:
+        if not folder.is_dir():
+            raise ValueError(f"scorer_path: {folder} is not a folder")
+    for folder in reversed(folders):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+
+
+def check_scorers(settings: ScorerSettings) -> None:
+    """Imports every Python scorer of `settings` here, its `scorer_path` first on sys.path, and checks each takes
+    (response, ground_truth, extra): a start refused in one line instead of a verifier failing minutes later."""
+    use_scorer_path(settings.scorer_path)
+    for spec in [*settings.scorers.values(), settings.default_scorer]:
+        if spec.type == "python":
+            load_function(spec.function)
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception as one bounded line for a log: its type and message, no traceback."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_extra(text: str) -> dict:
@@ -107,7 +148,8 @@ def run_score_call(
             value = function(call.response, call.ground_truth, extra)
         score, extracted = score_of(value, options.max_answer_chars)
     except TimeoutException:
-        return CheckResult(Verdict.TIMEOUT, "", time.perf_counter() - started)
-    except Exception:  # the scorer raised, returned a bad value, or ran out of memory (MemoryError)
-        return CheckResult(Verdict.ERROR, "", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return CheckResult(Verdict.TIMEOUT, "", seconds, error=f"over {options.parse_timeout_s:g} s of CPU time")
+    except Exception as err:  # the scorer raised, returned a bad value, or ran out of memory (MemoryError)
+        return CheckResult(Verdict.ERROR, "", time.perf_counter() - started, error=one_line(err))
     return CheckResult(verdict_of(score, call.success_threshold), extracted, time.perf_counter() - started, score)

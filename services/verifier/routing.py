@@ -12,6 +12,9 @@ score, or their `error_reward` when they failed (ERROR, TIMEOUT; score 0).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +26,21 @@ from rlep.services.verifier.judge import CheckResult, reward_of
 from rlep.services.verifier.pool import VerifyBatch, VerifyPool
 from rlep.services.verifier.python_scorer import ScoreCall, load_function, parse_extra
 
+log = logging.getLogger(__name__)
+
 _DEFAULT = ""  # the route of `default_scorer` (no data_source)
+DEFAULT_LABEL = "default"  # its `scorer` label on the metrics
+FIRST_FAILURES_LOGGED = 3  # per scorer, each with its message; then one summary line per FAILURE_LOG_EVERY_S
+FAILURE_LOG_EVERY_S = 60.0
+
+
+def scorer_label(route: str) -> str:
+    return route or DEFAULT_LABEL
+
+
+def scorer_labels(config: VerifierConfig) -> list[str]:
+    """Every value the metrics' `scorer` label can take: a closed set, the config's routes."""
+    return [*map(scorer_label, config.scorers), DEFAULT_LABEL]
 
 
 @dataclass(frozen=True)
@@ -31,31 +48,69 @@ class Scored:
     result: CheckResult
     reward: float
     score: float
+    scorer: str
+    """The `scorer` label: the data_source key it was routed by, or "default"."""
+
+
+class FailureLog:
+    """Logs why scorers other than math-verify fail, rate-limited per scorer: a scorer that raises on every item
+    must be visible (it was ERROR and reward 0 with nothing logged) without one line per item."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock, self._lock = clock, threading.Lock()
+        self._seen: dict[str, int] = {}
+        self._unlogged: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def record(self, scorer: str, result: CheckResult) -> None:
+        if not result.error:
+            return
+        with self._lock:
+            seen = self._seen[scorer] = self._seen.get(scorer, 0) + 1
+            now = self._clock()
+            if seen <= FIRST_FAILURES_LOGGED:
+                self._last[scorer] = now
+                log.warning("scorer %s: item %s: %s", scorer, result.verdict.value.upper(), result.error)
+                return
+            self._unlogged[scorer] = self._unlogged.get(scorer, 0) + 1
+            if now - self._last[scorer] < FAILURE_LOG_EVERY_S:
+                return
+            unlogged, self._unlogged[scorer], self._last[scorer] = self._unlogged[scorer], 0, now
+        log.warning(
+            "scorer %s: %d more failed items (%d in all), the latest %s: %s",
+            scorer, unlogged, seen, result.verdict.value.upper(), result.error,
+        )  # fmt: skip
 
 
 class RoutedBatch:
     """One call's items across scorers: wait for them in order, or cancel the rest."""
 
-    def __init__(self, batch: VerifyBatch, specs: list[ScorerSpec], config: VerifierConfig):
-        self._batch, self._specs, self._config = batch, specs, config
+    def __init__(self, batch: VerifyBatch, routes: list[str], scorers: Scorers):
+        self._batch, self._routes, self._scorers = batch, routes, scorers
 
     def wait(self, timeout_s: float | None = None) -> list[Scored]:
         """Raises TimeoutError / CancelledError as `VerifyBatch.wait` does."""
         results = self._batch.wait(timeout_s)
-        return [score_result(spec, r, self._config) for spec, r in zip(self._specs, results, strict=True)]
+        scored = []
+        for route, result in zip(self._routes, results, strict=True):
+            label = scorer_label(route)
+            self._scorers.failures.record(label, result)
+            scored.append(score_result(self._scorers.spec(route), result, self._scorers.config, label))
+        return scored
 
     def cancel(self) -> None:
         self._batch.cancel()
 
 
-def score_result(spec: ScorerSpec, result: CheckResult, config: VerifierConfig) -> Scored:
+def score_result(spec: ScorerSpec, result: CheckResult, config: VerifierConfig, scorer: str = DEFAULT_LABEL) -> Scored:
     """An item's reward and score from its scorer's result (see the module docstring)."""
     if isinstance(spec, MathScorer):
         correct = result.verdict == Verdict.CORRECT
-        return Scored(result, reward_of(result.verdict, config.reward_correct, config.reward_wrong), float(correct))
+        reward = reward_of(result.verdict, config.reward_correct, config.reward_wrong)
+        return Scored(result, reward, float(correct), scorer)
     if result.score is None:
-        return Scored(result, spec.error_reward, 0.0)
-    return Scored(result, result.score, result.score)
+        return Scored(result, spec.error_reward, 0.0, scorer)
+    return Scored(result, result.score, result.score, scorer)
 
 
 class Scorers:
@@ -71,7 +126,8 @@ class Scorers:
     """
 
     def __init__(self, config: VerifierConfig, pool: VerifyPool, on_skip: Callable[[], None] | None = None):
-        self._config, self._pool = config, pool
+        self.config, self._pool = config, pool
+        self.failures = FailureLog()
         self._routes: dict[str, ScorerSpec] = {**config.scorers, _DEFAULT: config.default_scorer}
         self._remote: dict[str, RemoteScorer] = {}
         for route, spec in self._routes.items():
@@ -82,6 +138,9 @@ class Scorers:
 
     def route_of(self, data_source: str) -> str:
         return data_source if data_source in self._routes else _DEFAULT
+
+    def spec(self, route: str) -> ScorerSpec:
+        return self._routes[route]
 
     def start(self, items: Sequence[ScoredItem], use_cache: bool = True) -> RoutedBatch:
         """Starts scoring every item. Raises ValueError, before any work, when an item's `extra` is not a JSON
@@ -107,7 +166,7 @@ class Scorers:
         self._pool.submit(batch, pooled, use_cache)
         for route, positions in remote.items():
             self._remote[route].submit(batch, positions)
-        return RoutedBatch(batch, specs, self._config)
+        return RoutedBatch(batch, routes, self)
 
     def close(self) -> None:
         for scorer in self._remote.values():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import CancelledError
 
 import grpc
@@ -21,7 +22,7 @@ from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
 from rlep.services.verifier.client import ScoredItem
 from rlep.services.verifier.config import VerifierConfig
-from rlep.services.verifier.routing import Scorers
+from rlep.services.verifier.routing import DEFAULT_LABEL, Scorers
 from rlep.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
@@ -31,10 +32,15 @@ CACHES = ("verdict", "in_flight", "gold", "answer")
 class VerifierMetrics:
     """The verifier's Prometheus series (`rlep_verifier_*`)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, scorers: Sequence[str] = (DEFAULT_LABEL,)):
         m = MetricFactory(registry)
         verdicts = [verdict.value for verdict in Verdict]
-        self.items = m.counter("rlep_verifier_items_total", "Responses checked, by verdict", ["verdict"], verdicts)
+        self.items = m.counter(
+            "rlep_verifier_items_total",
+            "Responses checked, by verdict and scorer (the data_source key that routed them, or default)",
+            ["verdict", "scorer"],
+            [(verdict, scorer) for verdict in verdicts for scorer in scorers],
+        )
         self.requests = m.counter(  # counted by the server's StatusCountInterceptor
             "rlep_verifier_requests_total",
             "Verify calls, by status code",
@@ -143,7 +149,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         out = verifier_pb2.VerifyResponse()
         for scored in results:
             result = scored.result
-            self._metrics.items.labels(result.verdict.value).inc()
+            self._metrics.items.labels(result.verdict.value, scored.scorer).inc()
             self._metrics.item_seconds.observe(result.seconds)
             out.results.add(
                 reward=scored.reward,

@@ -14,12 +14,30 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
 from tests.checkpoint_util import assert_same_tree, deepspeed_state
 from tests.loop_util import arithmetic_parquet, seed_pool, train_config
 from tests.tracking_util import jsonl_scalars, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+# A scorer of the user's own (issue 47): a module in a folder of its own, found through `verifier.scorer_path` by
+# the verifier the stack starts and by its worker processes; countdown's scale, tripled, so its items are told apart.
+OWN_SCORER = """
+from rlep.services.verifier.countdown import score as countdown
+
+
+def score(response, ground_truth, extra):
+    result = countdown(response, ground_truth, extra)
+    return result | {"score": 3 * result["score"]}
+
+
+def broken(response, ground_truth, extra):
+    raise KeyError("words")
+"""
+BUILTIN_COUNTDOWN = {"type": "python", "function": "rlep.services.verifier.countdown:score"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +48,15 @@ def loop_stack(ray_local, tmp_path_factory, redis_url):
 
     tmp = tmp_path_factory.mktemp("stack")
     config = train_config(tmp, tmp / "unused.parquet")
-    config = config.model_copy(update={"local": config.local.model_copy(update={"replay_redis_url": redis_url})})
+    (tmp / "scorers").mkdir()
+    (tmp / "scorers" / "tripled_countdown.py").write_text(OWN_SCORER)
+    verifier = {"scorer_path": [str(tmp / "scorers")], "scorers": {"countdown": BUILTIN_COUNTDOWN, "my_countdown": {
+        "type": "python", "function": "tripled_countdown:score", "success_threshold": 3.0},
+        "broken": {"type": "python", "function": "tripled_countdown:broken", "error_reward": -0.5}}}  # fmt: skip
+    config = TrainConfig.model_validate(
+        config.model_dump()
+        | {"verifier": verifier, "local": config.local.model_dump() | {"replay_redis_url": redis_url}}
+    )
     stack = ServiceStack(config, cached_model("tiny"), app_name="rlep-rollout-loop")
     stack.start(need_replay=True)
     yield stack
@@ -405,25 +431,33 @@ class WellFormedEquation:
         return completions
 
 
-def test_a_countdown_run_is_scored_by_the_countdown_scorer(loop_stack, tmp_path, monkeypatch):
+def test_countdown_runs_are_scored_by_the_built_in_and_an_own_scorer(loop_stack, tmp_path, monkeypatch, caplog):
     """Issue 33, part 4, end to end: questions whose data_source is `countdown` reach the verifier with it, which
     routes them to the built-in countdown scorer (TinyZero's scale: 1 right, 0.1 a wrong equation, 0 none), not to
-    math-verify, whose verdict on any of them would be a wrong answer and reward_wrong (-1)."""
+    math-verify, whose verdict on any of them would be a wrong answer and reward_wrong (-1). Issue 47: those labelled
+    `my_countdown` go to the run's own scorer module (the `verifier` section of the stack's config), tripled, and
+    one labelled `broken` to an own scorer that raises: its samples get its error_reward, and the step says so."""
     from dataclasses import replace
 
     from rlep.services.launch.training import run_training
     from rlep.services.verifier.countdown import FORMAT_SCORE, countdown_rows
 
+    labels = ["countdown", "my_countdown", "my_countdown", "broken"]  # one step's 4 questions
+    rows = [row | {"data_source": label} for row, label in zip(countdown_rows(4, seed=1), labels, strict=True)]
     data = tmp_path / "countdown.parquet"
-    pq.write_table(pa.Table.from_pylist(countdown_rows(8, seed=1)), data)
+    pq.write_table(pa.Table.from_pylist(rows), data)
     config = train_config(tmp_path, data, replayed_per_question=0, overlong_buffer_tokens=0)
     services = loop_stack.services
     monkeypatch.setattr(loop_stack, "services", replace(services, rollout=WellFormedEquation(services.rollout)))
+    caplog.set_level(logging.WARNING, logger="rlep.services.learner.trainer")
     [record] = run_training(config.model_copy(update={"steps": 1}), stack=loop_stack, show_progress=False)
     assert record.sequences == 16  # 4 questions x 4 fresh samples
-    # One wrong equation (0.1) and three answerless samples (0) per question; math-verify would give -1 each.
-    assert record.reward_mean == pytest.approx(4 * FORMAT_SCORE / 16)
+    # One wrong equation (0.1, tripled 0.3) and three answerless samples (0) per question; math-verify: -1 each;
+    # the broken scorer's 4 samples: its error_reward.
+    assert record.reward_mean == pytest.approx((FORMAT_SCORE + 2 * 3 * FORMAT_SCORE + 4 * -0.5) / 16)
     assert record.fresh_accuracy == 0.0
+    assert record.scorer_failures == 4 / 16
+    assert "the verifier could not score 25% of the fresh samples" in caplog.text
 
 
 def test_a_lora_run_pushes_merged_weights_the_replicas_sample_from(loop_stack, tmp_path):

@@ -7,6 +7,7 @@ Python scorers are ERROR/TIMEOUT and the workers go on; the HTTP scorer retries 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +21,7 @@ from rlep.services.verifier.client import ScoredItem, VerifierClient
 from rlep.services.verifier.config import HttpScorer, VerifierConfig
 from rlep.services.verifier.http_scorer import RemoteScorer
 from rlep.services.verifier.main import start_verifier
+from tests.metrics_util import samples, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +130,11 @@ def verifier(scoring_server, token_file):
         },
     }
     config = VerifierConfig(
-        server=ServerConfig(port=0), num_workers=2, item_timeout_s=2.0, parse_timeout_s=0.5, scorers=scorers
+        server=ServerConfig(port=0, metrics_port=0),
+        num_workers=2,
+        item_timeout_s=2.0,
+        parse_timeout_s=0.5,
+        scorers=scorers,
     )
     running = start_verifier(config)
     yield running
@@ -168,7 +174,10 @@ def test_one_call_routes_items_by_data_source(client):
     assert outcomes[1].extracted_answer == "(8 * 3) * (2 - 1)" and outcomes[6].extracted_answer == "rm"
 
 
-def test_failing_python_scorers_are_errors_and_the_workers_go_on(client, verifier):
+def test_failing_python_scorers_are_errors_and_the_workers_go_on(client, verifier, caplog):
+    """Issue 47: each failure is also said, with its reason, in the verifier's log (the first few per scorer, then
+    a line a minute), and counted under its scorer's label: ERROR and reward 0 with nothing logged before."""
+    caplog.set_level(logging.WARNING, logger="rlep.services.verifier.routing")
     pids = verifier.pool.worker_pids
     items = [
         ScoredItem("x", "y", "broken"),
@@ -186,6 +195,18 @@ def test_failing_python_scorers_are_errors_and_the_workers_go_on(client, verifie
         Verdict.CORRECT,
     ]
     assert [o.reward for o in outcomes[:3]] == [0.0, 0.0, 0.0]  # error_reward
+    said = [r.getMessage() for r in caplog.records]
+    assert "scorer broken: item ERROR: RuntimeError: scorer bug" in said
+    assert "scorer nan: item ERROR: ValueError: score must be finite, not nan" in said
+    assert "scorer hangs: item TIMEOUT: over item_timeout_s (2 s): worker killed" in said
+    assert not [line for line in said if line.startswith(("scorer countdown", "scorer default"))]
+    counted = {
+        (s.labels["scorer"], s.labels["verdict"]): s.value
+        for s in samples(scrape(verifier.metrics_port))
+        if s.name == "rlep_verifier_items_total" and s.value
+    }
+    assert {("broken", "error"), ("nan", "error"), ("hangs", "timeout"), ("countdown", "correct")} <= set(counted)
+    assert ("default", "correct") in counted  # the plain pair: the default scorer's label
     assert len(set(verifier.pool.worker_pids) - set(pids)) == 1
     assert [o.verdict for o in client.verify([ScoredItem("<answer>8*3*2/2</answer>", COUNTDOWN, "countdown")])] == [
         Verdict.WRONG

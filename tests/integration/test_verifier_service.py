@@ -223,7 +223,7 @@ def test_metrics_need_the_token_and_count_verdicts(verifier, verifier_client, au
     with pytest.raises(urllib.error.HTTPError) as err:
         _scrape(verifier, None)
     assert err.value.code == 401
-    correct = 'rlep_verifier_items_total{verdict="correct"}'
+    correct = 'rlep_verifier_items_total{verdict="correct",scorer="default"}'
     calls = 'rlep_verifier_requests_total{code="OK"}'
     before = _metric(verifier, auth_token_file, correct)
     calls_before = _metric(verifier, auth_token_file, calls)

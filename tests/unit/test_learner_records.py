@@ -22,6 +22,7 @@ STEP_KEYS = [
     "groups_dropped_stale",
     "rollout_replicas",
     "rollout_failovers",
+    "scorer_failures",
 ]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from rlep.services.learner.batch import ScoringModel
 from rlep.services.learner.config import LORA_TARGETS, LoraConfig, TrainConfig
-from rlep.services.learner.lora import AdapterScoringModel, apply_lora, merged_weights
+from rlep.services.learner.lora import AdapterScoringModel, apply_lora, merged_weights, model_skeleton
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -60,6 +60,19 @@ def test_only_the_adapters_train(model_dir):
 def test_an_embedding_target_is_refused(model_dir):
     with pytest.raises(ValueError, match="only linear layers"):
         apply_lora(load(model_dir), LoraConfig(rank=4, target_modules=["embed_tokens"]))
+
+
+def test_a_target_that_names_no_module_is_refused_with_the_ones_there(model_dir):
+    """Before: PEFT adapted `q_proj` and dropped the misspelt `vproj` without a word."""
+    with pytest.raises(ValueError, match=r"vproj matches no module .* q_proj, k_proj, v_proj"):
+        apply_lora(load(model_dir), LoraConfig(rank=4, target_modules=["q_proj", "vproj"]))
+    apply_lora(load(model_dir), LoraConfig(rank=4, target_modules=["self_attn.q_proj"]))  # PEFT's dotted suffix
+
+
+def test_the_skeleton_checked_before_start_has_the_models_modules(model_dir):
+    skeleton = model_skeleton(str(model_dir))
+    assert [name for name, _ in skeleton.named_modules()] == [name for name, _ in load(model_dir).named_modules()]
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}  # no weights read or allocated
 
 
 def test_merged_weights_are_the_plain_models_with_w_plus_scaled_b_a(model_dir, wrapped):

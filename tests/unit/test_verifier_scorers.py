@@ -188,3 +188,55 @@ def test_math_rewards_are_unchanged_and_other_scores_are_rewards():
     python = PythonScorer(function="m:f", error_reward=-3.0)
     assert score_result(python, CheckResult(Verdict.WRONG, "", score=0.1), config).reward == 0.1
     assert score_result(python, CheckResult(Verdict.ERROR, ""), config).reward == -3.0
+
+
+def returns_text(response: str, ground_truth: str, extra: dict) -> str:
+    return "0.5"
+
+
+@pytest.mark.parametrize(
+    ("function", "error"),
+    [
+        (f"{HERE}:raises", "RuntimeError: scorer bug"),
+        (f"{HERE}:returns_text", "ValueError: score must be a number, not str"),
+        (f"{HERE}:returns_nan", "ValueError: score must be finite, not nan"),
+        (f"{HERE}:spins", "over 0.2 s of CPU time"),
+    ],
+)
+def test_a_failed_python_scorer_says_why_in_one_line(function, error):
+    """Issue 47: the reason reaches the verifier's log (before: ERROR, reward 0, nothing said)."""
+    assert _call(function).error == error
+
+
+def test_scorer_failures_are_logged_first_then_at_most_once_a_minute(caplog):
+    from rlep.services.verifier.routing import FAILURE_LOG_EVERY_S, FIRST_FAILURES_LOGGED, FailureLog
+
+    now = [0.0]
+    failures = FailureLog(clock=lambda: now[0])
+    failed = CheckResult(Verdict.ERROR, "", error="RuntimeError: scorer bug")
+    caplog.set_level("WARNING", logger="rlep.services.verifier.routing")
+    for _ in range(100):
+        failures.record("mine", failed)
+        failures.record("mine", CheckResult(Verdict.CORRECT, "1", score=1.0))  # successes are not failures
+    failures.record("other", failed)  # each scorer its own allowance
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["scorer mine: item ERROR: RuntimeError: scorer bug"] * FIRST_FAILURES_LOGGED + [
+        "scorer other: item ERROR: RuntimeError: scorer bug"
+    ]
+    now[0] = FAILURE_LOG_EVERY_S
+    failures.record("mine", failed)
+    assert caplog.records[-1].getMessage() == (
+        f"scorer mine: {101 - FIRST_FAILURES_LOGGED} more failed items (101 in all), the latest ERROR: "
+        "RuntimeError: scorer bug"
+    )
+
+
+def test_labels_that_fall_to_the_default_scorer_are_counted():
+    config = VerifierConfig(num_workers=1, scorers={"mine": {"type": "python", "function": f"{HERE}:raises"}})
+    lines = config.routing_of(["mine", "mine", "", "DAPO-17k", "minee", "minee"])
+    assert lines == (
+        "1 questions without a data_source: scored by default_scorer (math)",
+        "1 questions with data_source 'DAPO-17k': not in verifier.scorers, scored by math",
+        "2 questions with data_source 'minee': not in verifier.scorers, scored by math",
+    )
+    assert config.routing_of(["mine"]) == ()
