@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -49,6 +50,34 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         return HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)](deny)
+
+
+class HealthThreadsInterceptor(grpc.ServerInterceptor):
+    """Runs health checks (`Check`) on threads of their own, so a probe answers while large or slow calls hold every
+    thread of the server's pool. gRPC receives a unary request on the thread that will handle it: sixteen callers
+    sending 60 MB messages take the sixteen threads for as long as their bytes take to arrive, and a probe queued
+    behind them waits as long. `Watch` streams stay on the server's pool: one per watcher, they would take these.
+
+    Uses gRPC's per-method pool (`experimental_thread_pool` on the behaviour, read by `grpc._server`); without it
+    the checks run on the shared pool as before.
+    """
+
+    def __init__(self, threads: int):
+        self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc-health")
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method != f"/{HEALTH_SERVICE}/Check":
+            return handler
+        behaviour = handler.unary_unary
+
+        def check(request: Any, context: grpc.ServicerContext) -> Any:
+            return behaviour(request, context)
+
+        check.experimental_thread_pool = self._pool
+        return grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 class StatusCountInterceptor(grpc.ServerInterceptor):
@@ -126,7 +155,9 @@ class RequestBytesInterceptor(grpc.ServerInterceptor):
 
     A unary request is held for its whole call (a response stream's too); a request stream holds the message it is
     working on, from the moment the handler pulls it until it pulls the next. gRPC has received a message before any
-    handler sees it, so the bound is on what is parsed and processed, not on what arrives. A call is admitted
+    handler sees it, so the bound is on what is parsed and processed, not on what arrives. Requests reach this as
+    bytes (`add_validated_servicer` registers no deserializer and parses in the innermost handler), so a refused call
+    is never parsed: its size is `len(bytes)`, and only an admitted call pays for the parse. A call is admitted
     whatever its size when nothing is held, so a message at the channel's limit is never refused forever. Health
     checks are exempt.
     """

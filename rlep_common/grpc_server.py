@@ -23,6 +23,7 @@ from rlep.common.grpc_interceptors import (
     HANDLER_KINDS,
     HEALTH_SERVICE,
     BearerAuthInterceptor,
+    HealthThreadsInterceptor,
     RequestBytesInterceptor,
 )
 from rlep.common.stream_guard import StreamGuardInterceptor
@@ -31,6 +32,8 @@ from rlep.common.tls import grpc_server_credentials
 # gRPC refuses messages beyond its own limit with RESOURCE_EXHAUSTED before our handler runs;
 # the channel limit sits above the service's limit so our INVALID_ARGUMENT message is what users see.
 CHANNEL_LIMIT_FACTOR = 2
+# Threads kept for health checks beside `grpc_threads`: two, so one slow probe does not queue the next.
+HEALTH_THREADS = 2
 
 
 def add_validated_servicer(server: grpc.Server, service: ServiceDescriptor, servicer: object) -> None:
@@ -87,11 +90,13 @@ def build_server(
     """Creates, binds and starts a server; `interceptors` run after the auth check.
     Returns `(server, bound_port, health_servicer)`."""
     token = config.read_auth_token()
-    # Outermost first: auth, then the caller's (counting sees the RESOURCE_EXHAUSTED of the next two), then the bound
-    # on request bytes held, then the stream guard.
+    # Outermost first: health checks' own threads (health is exempt from auth, and no later wrapper may hide the
+    # pool), auth, then the caller's (counting sees the RESOURCE_EXHAUSTED of the next two), then the bound on
+    # request bytes held, then the stream guard.
     guard = StreamGuardInterceptor(config.stream_slots, config.stream_idle_timeout_s, config.stream_max_duration_s)
     request_bytes = RequestBytesInterceptor(config.inflight_request_bytes)
-    interceptors = [*([BearerAuthInterceptor(token)] if token else []), *interceptors, request_bytes, guard]
+    auth = [BearerAuthInterceptor(token)] if token else []
+    interceptors = [HealthThreadsInterceptor(HEALTH_THREADS), *auth, *interceptors, request_bytes, guard]
     limit = config.max_request_bytes * CHANNEL_LIMIT_FACTOR
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="rpc"),

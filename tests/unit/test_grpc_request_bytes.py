@@ -1,6 +1,7 @@
 """`RequestBytesInterceptor` on a real in-process gRPC server (loopback): large calls beyond the server's bound on
 request bytes held get RESOURCE_EXHAUSTED at once, while the health check and a small call still answer; bytes
-come back when calls end, and a request stream holds only the message it is working on."""
+come back when calls end, a request stream holds only the message it is working on, a refused call is never
+parsed, and health checks answer on threads of their own while every thread of the server's pool is held."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ class HoldingReplay(replay_pb2_grpc.ReplayBufferServicer):
     def __init__(self):
         self.entered = threading.Semaphore(0)
         self.gate = threading.Event()
+        self.parsed = 0  # AddTrajectories requests parsed (by `add_validated_servicer`, through `request_parsers`)
+        self.request_parsers = {"AddTrajectories": self.parse_add}
+
+    def parse_add(self, data: bytes) -> replay_pb2.AddTrajectoriesRequest:
+        self.parsed += 1
+        return replay_pb2.AddTrajectoriesRequest.FromString(data)
 
     def AddTrajectories(self, request, context):
         if request.ByteSize() > BIG // 2:
@@ -49,16 +56,27 @@ class HoldingReplay(replay_pb2_grpc.ReplayBufferServicer):
         return replay_pb2.AddTrajectoriesResponse(added=chunks)
 
 
-@pytest.fixture
-def served():
+def serve(config: ServerConfig) -> Iterator[tuple]:
+    """(stub, health stub, servicer, AddTrajectories taking serialized bytes) of a server with `config`."""
     servicer = HoldingReplay()
-    config = ServerConfig(max_request_bytes=1 * MIB, max_inflight_request_bytes=3 * MIB)
     server, port, _ = build_server(config, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name])
     channel = make_channel(f"127.0.0.1:{port}")
-    yield replay_pb2_grpc.ReplayBufferStub(channel), health_pb2_grpc.HealthStub(channel), servicer
+    raw_add = channel.unary_unary("/rlep.replay.v1.ReplayBuffer/AddTrajectories")  # no serializers: bytes in and out
+    yield replay_pb2_grpc.ReplayBufferStub(channel), health_pb2_grpc.HealthStub(channel), servicer, raw_add
     servicer.gate.set()
     channel.close()
     server.stop(0)
+
+
+@pytest.fixture
+def served():
+    yield from serve(ServerConfig(max_request_bytes=1 * MIB, max_inflight_request_bytes=3 * MIB))
+
+
+@pytest.fixture
+def served_on_two_threads():
+    config = ServerConfig(max_request_bytes=1 * MIB, max_inflight_request_bytes=3 * MIB, grpc_threads=2)
+    yield from serve(config)
 
 
 def big_add() -> replay_pb2.AddTrajectoriesRequest:
@@ -80,7 +98,7 @@ def assert_health_and_small_call_answer(stub, health) -> None:
 
 
 def test_large_calls_beyond_the_bound_are_refused_while_health_and_small_calls_answer(served):
-    stub, health, servicer = served
+    stub, health, servicer, _ = served
     held = [stub.AddTrajectories.future(big_add(), timeout=CALL_TIMEOUT_S) for _ in range(3)]
     wait_entered(servicer, 3)  # 3 x 0.9 MB held of 3 MiB
     with pytest.raises(grpc.RpcError) as refused:
@@ -94,7 +112,7 @@ def test_large_calls_beyond_the_bound_are_refused_while_health_and_small_calls_a
 
 
 def test_a_request_stream_holds_the_message_it_works_on(served):
-    stub, health, servicer = served
+    stub, health, servicer, _ = served
     first = replay_pb2.PoolChunk(pool="p", questions=[replay_pb2.Question(ground_truth="x" * BIG)])
 
     def chunks() -> Iterator[replay_pb2.PoolChunk]:
@@ -110,3 +128,39 @@ def test_a_request_stream_holds_the_message_it_works_on(served):
     servicer.gate.set()
     assert [call.result().added for call in imports] == [4, 4, 4]
     assert stub.AddTrajectories(big_add(), timeout=5).added == 1  # each stream gave its chunk's bytes back
+
+
+def malformed_big_add() -> bytes:
+    """A serialized AddTrajectories of BIG bytes that protobuf refuses to parse (invalid UTF-8 in a string)."""
+    data = big_add().SerializeToString()
+    at = data.index(b"x" * BIG)
+    return data[:at] + b"\xff" + data[at + 1 :]
+
+
+def test_a_refused_call_is_never_parsed_and_an_admitted_one_is(served):
+    stub, _, servicer, raw_add = served
+    held = [stub.AddTrajectories.future(big_add(), timeout=CALL_TIMEOUT_S) for _ in range(3)]
+    wait_entered(servicer, 3)
+    parsed = servicer.parsed
+    with pytest.raises(grpc.RpcError) as refused:
+        raw_add(malformed_big_add(), timeout=5)
+    # Refused on its size alone: a parse would have answered INVALID_ARGUMENT.
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert servicer.parsed == parsed
+    servicer.gate.set()
+    assert [call.result().added for call in held] == [1, 1, 1]
+    with pytest.raises(grpc.RpcError) as malformed:
+        raw_add(malformed_big_add(), timeout=5)
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # admitted, then parsed
+    assert servicer.parsed == parsed + 1
+
+
+def test_health_answers_while_every_thread_of_the_pool_is_held(served_on_two_threads):
+    stub, health, servicer, _ = served_on_two_threads
+    held = [stub.AddTrajectories.future(big_add(), timeout=CALL_TIMEOUT_S) for _ in range(2)]
+    wait_entered(servicer, 2)  # both of the server's threads wait on the gate
+    started = time.monotonic()
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - started < 1.0
+    servicer.gate.set()
+    assert [call.result().added for call in held] == [1, 1]
