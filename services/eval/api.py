@@ -137,11 +137,15 @@ class EvalSample(BaseModel):
     prompt: str
     """The last message of the chat sent (built-in and .jsonl sets: the problem and the \\boxed{} instruction)."""
     ground_truth: str
+    data_source: str = ""
+    """The question's `data_source`: the label that chose its scorer ("" = the verifier's default scorer)."""
     response: str
     """The response text. Past 16 KiB (UTF-8) it is cut there and ends with `[... N more bytes not stored]`."""
     extracted_answer: str
     """The answer the verifier found in the response ("" when none)."""
     verdict: Verdict
+    score: float = 0.0
+    """The scorer's score (math-verify: 1 if CORRECT, else 0; a scorer of your own: its number)."""
     truncated: bool
     """Stopped by max_tokens (finish reason LENGTH)."""
     response_tokens: int

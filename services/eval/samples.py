@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 MAX_TEXT_BYTES = 16 * 1024
 CUT_MARKER = "\n[... {} more bytes not stored]"
 # Kept once per question (QuestionSamples.question), not in each sample's row.
-QUESTION_FIELDS = {"prompt", "ground_truth"}
+QUESTION_FIELDS = {"prompt", "ground_truth", "data_source"}
 
 
 def clip(text: str, limit: int = MAX_TEXT_BYTES) -> str:
@@ -67,15 +67,19 @@ def sample_records(
             sample=number,
             prompt=prompt,
             ground_truth=gold,
+            data_source=clip(question.data_source),
             response=clip(sample.text),
             extracted_answer=clip(outcome.extracted_answer),
             verdict=outcome.verdict,
+            score=outcome.score,
             truncated=sample.finish_reason == FinishReason.LENGTH,
             response_tokens=len(sample.token_ids),
         ).model_dump_json(exclude=QUESTION_FIELDS)
         for number, (sample, outcome) in enumerate(zip(samples, outcomes, strict=True))
     ]
-    text = EvalSample.model_construct(prompt=prompt, ground_truth=gold).model_dump_json(include=QUESTION_FIELDS)
+    text = EvalSample.model_construct(
+        prompt=prompt, ground_truth=gold, data_source=clip(question.data_source)
+    ).model_dump_json(include=QUESTION_FIELDS)
     return QuestionSamples(question_key(dataset, index), text, rows)
 
 

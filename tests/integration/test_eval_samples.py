@@ -57,9 +57,11 @@ def expected_samples(dataset: str, problems) -> list[dict]:
                     "sample": sample,
                     "prompt": f"{problem}\n\n{BOXED_INSTRUCTION}",
                     "ground_truth": str(gold),
+                    "data_source": dataset,  # a .jsonl's questions are labelled with the dataset's name
                     "response": text,
                     "extracted_answer": answer,
                     "verdict": verdict,
+                    "score": 1.0 if verdict == "correct" else 0.0,  # math-verify's score
                     "truncated": reason == known.LENGTH,
                     "response_tokens": tokens,
                 }

@@ -138,7 +138,7 @@ def test_a_page_stops_before_the_sample_that_would_pass_its_byte_bound():
 def test_rows_are_stored_without_their_prompt_and_each_batch_carries_its_questions_records():
     records = [records_of(q, f"question {q}", [f"answer {q}.{s}" for s in range(3)]) for q in range(3)]
     assert all(f"question {q}" not in row and '"prompt"' not in row for q, r in enumerate(records) for row in r.rows)
-    assert json.loads(records[1].question) == {"prompt": "question 1", "ground_truth": "2"}
+    assert json.loads(records[1].question) == {"prompt": "question 1", "ground_truth": "2", "data_source": ""}
     kept = first_samples(records, 4)
     assert [len(r.rows) for r in kept] == [3, 1]
     row_bytes = len(records[0].rows[0])
