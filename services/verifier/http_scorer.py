@@ -142,6 +142,7 @@ class RemoteScorer:
                 failure, reason = Verdict.TIMEOUT if err.timed_out else Verdict.ERROR, one_line(err)
                 continue
             except Exception as err:  # a 4xx, a redirect, a body that is not a score: retrying will not help
+                log.warning("http scorer %s: %s", self._where, err)
                 failure, reason = Verdict.ERROR, one_line(err)
                 break
             seconds = (time.perf_counter() - started) / len(items)
@@ -161,6 +162,7 @@ class RemoteScorer:
         try:
             score, extracted = score_of(answer, self._max_answer_chars)
         except Exception as err:  # not a score; or one that overflows a float (`1` and 400 zeros)
+            log.warning("http scorer %s: %s", self._where, err)
             return CheckResult(Verdict.ERROR, "", seconds, error=one_line(err))
         return CheckResult(verdict_of(score, self._spec.success_threshold), extracted, seconds, score)
 
