@@ -128,7 +128,8 @@ def test_prometheus_stores_the_services_series_with_their_service_label(promethe
 
 
 def test_counters_carry_the_traffic_sent_before_the_scrape(prometheus):
-    [series] = wait_for_series(prometheus, 'rlep_verifier_items_total{verdict="correct", scorer="default", service="verifier"}')
+    correct = 'rlep_verifier_items_total{verdict="correct", scorer="default", service="verifier"}'
+    [series] = wait_for_series(prometheus, correct)
     assert float(series["value"][1]) >= 1
     [workers] = wait_for_series(prometheus, "rlep_verifier_workers")
     assert float(workers["value"][1]) == 2
