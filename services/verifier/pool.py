@@ -15,6 +15,11 @@ The window is 1 until the worker's last `FAST_STREAK` items each took under `FAS
 every restart): an item sent behind a slow one would wait for it however other calls are queued
 (issue 46: 40 items of ~2.6 s each, four in each pipe, held 1-item calls past their 5 s deadlines).
 
+One more process than `num_workers`, the express worker, takes only the first item of a call that has not started
+while every worker is busy (`WorkQueues.get_express`), so a new call's first answer does not wait for the items
+running (CI: a 1-item call waited 5 s for one ~2.6 s CPU item beside another test's load). The OS shares the cores
+among the processes: the express item costs the running ones only its own few ms of CPU. Its window stays 1.
+
 Work the pool skips (RL checks a question's G responses together, and many share a final answer):
 - `prepare_check` runs here, in the caller's thread: items with no answer, or an answer or gold answer
   over `max_answer_chars`, are decided without a worker.
@@ -133,6 +138,7 @@ class VerifyPool:
         on_skip: called once for each item dropped unchecked because its batch was cancelled (metrics).
         on_cache: called with (cache, hit, count) for lookups: cache is "verdict", "in_flight", "gold" or
             "answer" (metrics). A verdict-cache miss that joins a running check reports ("in_flight", True).
+        express: run the express worker (see the module docstring); off only to test the queues behind it.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class VerifyPool:
         on_restart: Callable[[str], None] | None = None,
         on_skip: Callable[[], None] | None = None,
         on_cache: Callable[[str, bool, int], None] | None = None,
+        express: bool = True,
     ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
@@ -163,24 +170,34 @@ class VerifyPool:
         self._counts_lock = threading.Lock()
         # checked: checks answered by workers; skipped: items dropped as cancelled; resent: checks in a worker's
         # pipe when it was replaced, so sent again; decided: items needing no math-verify; cached: items
-        # answered from the verdict cache; joined: items answered by an identical item's check.
-        self._counts = {k: 0 for k in ("checked", "skipped", "resent", "decided", "cached", "joined")}
+        # answered from the verdict cache; joined: items answered by an identical item's check; express: checks the
+        # express worker answered (in "checked" too, not in the per-worker lists).
+        self._counts = {k: 0 for k in ("checked", "skipped", "resent", "decided", "cached", "joined", "express")}
         self._checked_by_worker = [0] * num_workers
         self._gold_parsed_by_worker = [0] * num_workers
-        self._busy = [threading.Event() for _ in range(num_workers)]
+        self._express = num_workers  # the express worker's index in `_workers`, `_busy` and `_threads`, if any
+        self._busy = [threading.Event() for _ in range(num_workers + express)]
         # spawn, not fork: the parent runs gRPC threads, and forking a threaded process is unsafe.
         ctx = mp.get_context("spawn")
-        self._workers = [Worker(ctx, options, memory_limit_mb, parse_cache_size) for _ in range(num_workers)]
+        self._workers = [Worker(ctx, options, memory_limit_mb, parse_cache_size, wait=False) for _ in self._busy]
+        try:
+            for worker in self._workers:  # started together: each imports sympy and math-verify (1-3 s)
+                worker.wait_ready()
+        except RuntimeError:
+            for worker in self._workers:
+                worker.kill()
+            raise
+        names = [f"verify-{i}" for i in range(num_workers)] + ["verify-express"]
         self._threads = [
-            threading.Thread(target=self._dispatch, args=(i,), name=f"verify-{i}", daemon=True)
-            for i in range(num_workers)
+            threading.Thread(target=self._dispatch, args=(i,), name=names[i], daemon=True)
+            for i in range(len(self._workers))
         ]
         for thread in self._threads:
             thread.start()
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers]
+        return [w.process.pid for w in self._workers[: self._express]]
 
     def worker_for(self, gold: str) -> int:
         """The worker index that checks items with this gold answer (unless another one is idle and steals)."""
@@ -200,7 +217,8 @@ class VerifyPool:
             return len(self._verdicts)
 
     def wait_busy(self, worker_index: int, timeout_s: float) -> bool:
-        """Blocks until that worker has an item in its pipe or running; False if `timeout_s` passes first.
+        """Blocks until that worker (`num_workers`: the express one) has an item in its pipe or running; False if
+        `timeout_s` passes first.
 
         The flag drops before the result of a worker's last item is set, so after a call returns this
         waits for the next call's items, not the finished call's.
@@ -249,7 +267,8 @@ class VerifyPool:
             elif not use_queue:
                 return None
             else:
-                job = self._queues.get(index, block)
+                queues = self._queues
+                job = queues.get_express(block) if index == self._express else queues.get(index, block)
                 if job is None or job is CLOSED:
                     return job
             if self._claim(job):
@@ -257,6 +276,7 @@ class VerifyPool:
 
     def _dispatch(self, index: int) -> None:
         worker, busy = self._workers[index], self._busy[index]
+        express = index == self._express
         sent: collections.deque[tuple[int, _Job]] = collections.deque()  # (seq, job) in the worker's pipe, in order
         resend: collections.deque[_Job] = collections.deque()  # taken back while stopping
         seqs = itertools.count()
@@ -264,7 +284,7 @@ class VerifyPool:
         fast_needed = FAST_STREAK  # fast items still to see before the window opens to WINDOW
         stopping = False  # the queues are closed and empty: finish what this thread holds, take nothing new
         while True:
-            while len(sent) < (WINDOW if fast_needed == 0 else 1):
+            while len(sent) < (WINDOW if fast_needed == 0 and not express else 1):
                 job = self._next_job(index, resend, block=not sent, use_queue=not stopping)
                 if job is CLOSED:
                     stopping = True
@@ -313,7 +333,7 @@ class VerifyPool:
                 self._count("resent")
             jobs = [job for _, job in sent]
             sent.clear()
-            if stopping:
+            if stopping or express:  # the express worker's pipe holds one item: a crashed head it retries itself
                 resend.extendleft(reversed(jobs))
             else:  # back in the queue: the blamed head's caller after every other caller's next item
                 self._queues.put_back(index, [(job.waiters[0][0], job) for job in jobs], last=head.waiters[0][0])
@@ -342,8 +362,11 @@ class VerifyPool:
             self._busy[index].clear()  # before the result is set (see `wait_busy`)
         with self._counts_lock:
             self._counts["checked"] += 1
-            self._checked_by_worker[index] += 1
-            self._gold_parsed_by_worker[index] += stats.gold_misses
+            if index == self._express:
+                self._counts["express"] += 1
+            else:
+                self._checked_by_worker[index] += 1
+                self._gold_parsed_by_worker[index] += stats.gold_misses
         self._report_parses(stats)
         self._finish(job, result)
         return result.seconds

@@ -11,6 +11,11 @@ together), so it parses that one once.
 Calls share every worker fairly: a worker's queue keeps each call's items apart and takes them round-robin, one
 item per call in turn, so a call of one item waits for at most one item of each other call queued there, never for
 a whole large batch (issue 31: a call of 40 slow items held three 1-item calls past their 5 s deadlines).
+
+A call does not wait for a worker to start at all: while every worker is busy, `get_express` hands a call's first
+item (of a call none of whose queued items has been handed out yet) to the pool's express worker. Round-robin alone
+still left a 1-item call waiting for the slow item running on its worker, ~2.6 s of CPU that took over 5 s beside
+another test's load (CI, 2 cores).
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ class FairQueue(Generic[T]):
         self._callers[caller].append(item)
         self._size += 1
 
-    def popleft(self) -> T:
+    def callers(self) -> list[object]:
+        return list(self._callers)
+
+    def popleft(self) -> tuple[object, T]:
         caller, items = next(iter(self._callers.items()))
         if caller in self._served:  # every caller has been served this round: a new one begins
             self._served.clear()
@@ -67,6 +75,16 @@ class FairQueue(Generic[T]):
             self._served.add(caller)
         else:
             del self._callers[caller]
+        self._size -= 1
+        return caller, item
+
+    def take(self, caller: object) -> T:
+        """`caller`'s first item out of turn (the express worker's pick); its next item keeps the caller's turn."""
+        items = self._callers[caller]
+        item = items.popleft()
+        if not items:
+            del self._callers[caller]
+            self._served.discard(caller)
         self._size -= 1
         return item
 
@@ -82,7 +100,7 @@ class FairQueue(Generic[T]):
             self._served.discard(caller)
         self._size += len(items)
 
-    def pop(self) -> T:
+    def pop(self) -> tuple[object, T]:
         caller = max(self._callers, key=lambda c: len(self._callers[c]))
         items = self._callers[caller]
         item = items.pop()
@@ -90,17 +108,23 @@ class FairQueue(Generic[T]):
             del self._callers[caller]
             self._served.discard(caller)
         self._size -= 1
-        return item
+        return caller, item
 
 
 class WorkQueues(Generic[T]):
-    """One fair queue per worker; `put` routes by gold answer, `get` falls back to stealing."""
+    """One fair queue per worker; `put` routes by gold answer, `get` falls back to stealing, `get_express` takes the
+    first item of a call that has not started while every worker is busy."""
 
     def __init__(self, num_workers: int):
         self._queues: list[FairQueue[T]] = [FairQueue() for _ in range(num_workers)]
         self._cond = threading.Condition()
         self._closed = False
-        self._idle = [False] * num_workers  # blocked in `get`, waiting for work
+        # Blocked in `get`, waiting for work; True until a worker first asks, so nothing counts it busy before.
+        self._idle = [True] * num_workers
+        self._queued: collections.Counter[object] = collections.Counter()  # items queued per caller, all queues
+        # Callers one of whose queued items has been handed out: not new, so not the express worker's. A caller
+        # leaves once it has nothing queued.
+        self._started: set[object] = set()
 
     def worker_for(self, gold: str) -> int:
         """The worker a gold answer belongs to: crc32, not `hash`, so the split is the same in every run."""
@@ -111,11 +135,13 @@ class WorkQueues(Generic[T]):
         with self._cond:
             for gold, item in items:
                 self._queues[self.worker_for(gold)].append(caller, item)
+            self._queued[caller] += len(items)
             self._cond.notify_all()
 
     def put_back(self, index: int, items: list[tuple[object, T]], last: object) -> None:
         """Items (caller, item) taken back from worker `index` (replaced with them in its pipe) go back on its queue
-        before their callers' queued items; `last` is the caller whose item failed: its turn comes after the others'.
+        before their callers' queued items; `last` is the caller whose item failed: its turn comes after the others',
+        and its items are not the express worker's (they may hang it as they hung this one).
         """
         by_caller: dict[object, list[T]] = {}
         for caller, item in items:
@@ -123,6 +149,24 @@ class WorkQueues(Generic[T]):
         with self._cond:
             for caller, caller_items in by_caller.items():
                 self._queues[index].put_back(caller, caller_items, last=caller is last)
+                self._queued[caller] += len(caller_items)
+            if last in by_caller:
+                self._started.add(last)
+            self._cond.notify_all()
+
+    def _handed_out(self, caller: object, queue: FairQueue[T], index: int | None) -> None:
+        """Bookkeeping of an item of `caller` taken from `queue` by worker `index` (None: the express worker)."""
+        self._queued[caller] -= 1
+        if self._queued[caller]:
+            self._started.add(caller)
+        else:
+            del self._queued[caller]
+            self._started.discard(caller)
+        wake = bool(queue)  # items left: an idle worker may steal them from a busy owner
+        if index is not None and self._idle[index]:
+            self._idle[index] = False
+            wake = True  # the express worker may now see every worker busy
+        if wake or (self._closed and not any(self._queues)):
             self._cond.notify_all()
 
     def get(self, index: int, block: bool) -> T | Closed | None:
@@ -133,22 +177,36 @@ class WorkQueues(Generic[T]):
         with self._cond:
             while True:
                 own = self._queues[index]
-                if own:
-                    self._idle[index] = False
-                    item = own.popleft()
-                    if own:  # items left: idle workers may now steal them from a busy owner
-                        self._cond.notify_all()
-                    return item
                 stealable = [q for q, idle in zip(self._queues, self._idle, strict=True) if q and not idle]
-                if stealable:
-                    self._idle[index] = False
-                    return max(stealable, key=len).pop()
+                if own or stealable:
+                    queue = own if own else max(stealable, key=len)
+                    caller, item = queue.popleft() if own else queue.pop()
+                    self._handed_out(caller, queue, index)
+                    return item
                 if self._closed and not any(self._queues):
                     self._idle[index] = False
                     return CLOSED
                 if not block:
                     return None
                 self._idle[index] = True
+                self._cond.wait()
+
+    def get_express(self, block: bool) -> T | Closed | None:
+        """The first item of a caller none of whose queued items was handed out yet, once no worker is idle (an
+        idle one takes it itself); None when there is none and `block` is False; `CLOSED` once closed and empty."""
+        with self._cond:
+            while True:
+                if not any(self._idle):
+                    for queue in self._queues:
+                        caller = next((c for c in queue.callers() if c not in self._started), None)
+                        if caller is not None:
+                            item = queue.take(caller)
+                            self._handed_out(caller, queue, None)
+                            return item
+                if self._closed and not any(self._queues):
+                    return CLOSED
+                if not block:
+                    return None
                 self._cond.wait()
 
     def close(self) -> None:

@@ -81,7 +81,9 @@ class VerifierMetrics:
             ("verdict", "gold", "answer"),
         )
         self.items_in_flight = m.gauge("rlep_verifier_items_in_flight", "Items submitted and not yet answered")
-        self.workers = m.gauge("rlep_verifier_workers", "Worker processes in the pool")
+        self.workers = m.gauge(
+            "rlep_verifier_workers", "Worker processes in the pool (num_workers; the express worker is one more)"
+        )
 
     def count_cache_lookups(self, cache: str, hit: bool, count: int) -> None:
         """The pool's `on_cache` callback."""

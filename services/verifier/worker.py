@@ -86,22 +86,35 @@ def _children_of(pid: int) -> list[int]:
 class Worker:
     """One worker process and its pipe; restarted in place after a timeout or crash."""
 
-    def __init__(self, ctx: mp.context.BaseContext, options: CheckOptions, memory_limit_mb: int, parse_cache_size: int):
+    def __init__(
+        self,
+        ctx: mp.context.BaseContext,
+        options: CheckOptions,
+        memory_limit_mb: int,
+        parse_cache_size: int,
+        wait: bool = True,
+    ):
+        """Starts the process; `wait=False` returns at once, and `wait_ready` must be called before any item."""
         self._ctx, self._args = ctx, (options, memory_limit_mb, parse_cache_size)
-        self._start()
+        self._spawn()
+        if wait:
+            self.wait_ready()
 
-    def _start(self) -> None:
+    def _spawn(self) -> None:
         parent, child = self._ctx.Pipe()
         self.process = self._ctx.Process(target=_worker_main, args=(child, *self._args), daemon=True)
         self.process.start()
         child.close()
         self.conn = parent
-        if not parent.poll(WORKER_START_TIMEOUT_S) or parent.recv() != _READY:
+
+    def wait_ready(self) -> None:
+        if not self.conn.poll(WORKER_START_TIMEOUT_S) or self.conn.recv() != _READY:
             raise RuntimeError("verifier worker did not start")
 
     def restart(self) -> None:
         self.kill()
-        self._start()
+        self._spawn()
+        self.wait_ready()
 
     def kill(self) -> None:
         """Kills the worker and whatever a scorer forked from it: a forked child holds the worker's end of the

@@ -120,6 +120,36 @@ def test_the_queue_of_an_idle_owner_is_left_to_it():
     assert taken == ["b1"]
 
 
+def test_the_express_worker_takes_a_new_calls_first_item_only_while_every_worker_is_busy():
+    """A 1-item call waited for the slow item running on its worker (CI: past its 5 s deadline)."""
+    queues: WorkQueues[str] = WorkQueues(1)
+    big, small, pair = object(), object(), object()
+    queues.put([("g", f"big{i}") for i in range(3)], caller=big)
+    assert queues.get_express(block=False) is None  # worker 0 has not asked yet: it takes big0 itself
+    assert queues.get(0, block=False) == "big0"
+    assert queues.get_express(block=False) is None  # big has started: its next items wait their turn
+    queues.put([("g", "small0")], caller=small)
+    queues.put([("g", "pair0"), ("g", "pair1")], caller=pair)
+    assert [queues.get_express(block=False), queues.get_express(block=False)] == ["small0", "pair0"]
+    assert queues.get_express(block=False) is None  # pair1 is not a first item
+    assert [queues.get(0, block=False) for _ in range(3)] == ["pair1", "big1", "big2"]
+    queues.close()
+    assert queues.get_express(block=True) is CLOSED
+
+
+def test_items_put_back_after_a_timeout_are_not_the_express_workers_but_others_behind_them_are():
+    """The blamed caller's items may hang the express worker as they hung the worker; a 1-item call's item that was
+    in the same pipe has nothing running and is a first item again."""
+    queues: WorkQueues[str] = WorkQueues(1)
+    hanging, small = object(), object()
+    queues.put([("g", "hang0")], caller=hanging)
+    assert queues.get(0, block=False) == "hang0"
+    queues.put_back(0, [(small, "small0"), (hanging, "hang1")], last=hanging)
+    assert queues.get_express(block=False) == "small0"
+    assert queues.get_express(block=False) is None
+    assert queues.get(0, block=False) == "hang1"
+
+
 def test_closed_queues_still_hand_out_what_was_queued():
     queues: WorkQueues[str] = WorkQueues(3)
     queues.put([("7", "x")])
