@@ -138,15 +138,31 @@ def check_lora_targets(config) -> None:
         raise UserError(problem)
 
 
-def check_resume(config) -> None:
-    """`--resume` finds a checkpoint to continue from (UserError): it continues a run, and a fresh start in its
-    place would write step 1 again over that run's log and checkpoints (the Helm Job passes it only when there is
-    one). Checked before Ray and the services start; the trainer would only find out once they are up."""
+def check_resume(config) -> str | None:
+    """`--resume` finds a checkpoint to continue from, saved with the LoRA shape the config asks for (UserError):
+    it continues a run, and a fresh start in its place would write step 1 again over that run's log and checkpoints
+    (the Helm Job passes it only when there is one). Checked before Ray and the services start; the trainer would
+    only find out once they are up (162 s, then a 504-line traceback for another LoRA shape). Returns the line to
+    print when the run has already trained its `steps`: nothing to start."""
+    from rlep.services.learner.checkpoint_info import latest_checkpoint, shape_problem
+
     ckpt = config.checkpoint.dir
     if ckpt is None:
         raise UserError("--resume: checkpoint.dir is not set, so there is no checkpoint; set it, or drop --resume")
-    if not (ckpt / "latest").exists():
+    try:
+        latest = latest_checkpoint(ckpt)
+    except ValueError as err:
+        raise UserError(f"--resume: {err}") from None
+    if latest is None:
         raise UserError(f"--resume: no checkpoint in {ckpt} (no `latest`); drop --resume to start from step 0")
+    if problem := shape_problem(latest, config):
+        raise UserError(problem)
+    if latest.step >= config.steps:
+        return (
+            f"--resume: {ckpt} is at step {latest.step} and this run trains {config.steps} steps: nothing to do "
+            f"(raise --steps to train further)"
+        )
+    return None
 
 
 def check_scorers_of(config) -> None:
@@ -162,13 +178,13 @@ def check_scorers_of(config) -> None:
         raise UserError(f"verifier: {err}") from None
 
 
-def check_before_start(config, resume: bool) -> None:
-    """What `rlep train` checks before Ray and the services start (each a UserError naming the fix)."""
+def check_before_start(config, resume: bool) -> str | None:
+    """What `rlep train` checks before Ray and the services start (each a UserError naming the fix); returns the
+    line to print instead of training when a resumed run has nothing left to do."""
     check_paths(config)
     check_scorers_of(config)
     check_lora_targets(config)
-    if resume:
-        check_resume(config)
+    return check_resume(config) if resume else None
 
 
 def what_will_run(config):
@@ -210,18 +226,44 @@ def train(
             check_before_start(resolved, resume)
         typer.echo(dump_config_json(what_will_run(resolved)))
         return
-    check_before_start(resolved, resume)
+    if finished := check_before_start(resolved, resume):
+        typer.echo(finished)
+        return
     _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlep.services.launch.training import run_training
 
-    records = run_training(resolved, resume=resume, ray_address=ray_address)
+    try:
+        records = run_training(resolved, resume=resume, ray_address=ray_address)
+    except KeyboardInterrupt:
+        typer.echo(interrupted_line(resolved), err=True)
+        raise typer.Exit(130) from None
     if records:
         last = records[-1]
         typer.echo(
             f"step {last.step}: fresh accuracy {last.fresh_accuracy:.3f}, reward {last.reward_mean:+.3f}, "
             f"policy version {last.policy_version}"
         )
+
+
+def interrupted_line(config, argv: list[str] | None = None) -> str:
+    """What a Ctrl-C of `rlep train` prints: the command that resumes, or why nothing can be resumed."""
+    import shlex
+    import sys
+
+    from rlep.services.learner.checkpoint_info import latest_checkpoint
+
+    ckpt = config.checkpoint.dir
+    try:
+        latest = latest_checkpoint(ckpt) if ckpt is not None else None
+    except ValueError:
+        latest = None
+    if latest is None:
+        where = "checkpoint.dir is not set" if ckpt is None else f"no checkpoint was written in {ckpt} yet"
+        return f"interrupted: {where}, so a rerun starts from step 0"
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["rlep", *args, *([] if "--resume" in args else ["--resume"])])
+    return f"interrupted; {ckpt} holds step {latest.step}. To continue from it: {command}"
 
 
 def _collect_config(config: Path | None, sets: list[str] | None, flags: dict):

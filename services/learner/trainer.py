@@ -46,6 +46,7 @@ from rlep.common.types import Group, Trajectory, Verdict
 from rlep.services.learner import generation_log
 from rlep.services.learner.algorithm import KlEstimator, kl_estimate
 from rlep.services.learner.batch import ExperienceBatch, build_batch, with_kl_reward_penalty
+from rlep.services.learner.checkpoint_info import write_checkpoint_info
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor, Question
 from rlep.services.learner.metrics import LearnerMetrics
@@ -383,6 +384,8 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             **self.policy.rng_state(),
         }
+        # Before DeepSpeed's state and its `latest`: the step `latest` names always says what it was trained with.
+        write_checkpoint_info(ckpt.dir / tag, self.config, self.step)
         self.policy.save_checkpoint(ckpt.dir, tag, client_state)
         self.policy.save_hf(ckpt.dir / tag / "hf", self.model_dir)
         # What the export is: a rollout started from it serves it as this version (rlep.common.policy_info).

@@ -299,6 +299,18 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     assert [r.question_ids for r in records] == schedule
     assert services.replay.stats(config["replay_pool"]).trajectories == pool_before  # the pool is untouched
 
+    # Issue 47 item 3: the checkpoint says what it trained, so these are answered before anything starts.
+    from rlep.services.learner.checkpoint_info import INFO_FILE
+
+    info = json.loads((tmp_path / "ckpt" / "step_4" / INFO_FILE).read_text())
+    assert (info["step"], info["lora_rank"]) == (4, 0)
+    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=_left(started))
+    assert again.returncode == 0 and "at step 4 and this run trains 4 steps: nothing to do" in again.stdout
+    other = [*command, "--resume", "--set", "lora.rank=4"]
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=_left(started))
+    assert refused.returncode == 2 and "was trained with full fine-tuning" in refused.stderr, refused.stderr[-2000:]
+    assert [r.step for r in _log_steps(log_path)] == [1, 2, 3, 4]
+
     # The same run without the kill, on the same services: same rewards, same weights, same optimizer state.
     checkpoint = {**config["checkpoint"], "dir": str(tmp_path / "reference")}
     reference = TrainConfig.model_validate({**config, "endpoints": {}, "checkpoint": checkpoint})
