@@ -225,17 +225,40 @@ def eval_command(
             "truncated) to this JSONL file.",
         ),
     ] = None,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            help="No eval service needed: start a rollout replica of --model, a verifier and an eval service here, "
+            "evaluate, stop them.",
+        ),
+    ] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            exists=True,
+            help="With --local: the training config whose verifier (scorers) and local.rollout_engine settings to use.",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="With --local: override a training config field.")
+    ] = None,
 ) -> None:
-    """Evaluate a model on math sets through a running eval service (`rlep serve eval`): Avg@N, Maj@N, Pass@N.
+    """Evaluate a model on math sets through a running eval service (`rlep serve eval`), or with --local through
+    services started for this job: Avg@N, Maj@N, Pass@N.
 
     Sampling options left out are left out of the request, so they take the defaults of the service's request
     schema (EvaluationRequest in services/eval/api.py; a running service shows them at /docs).
     """
     from pydantic import ValidationError
 
-    from rlep.services.cli.eval import check_server_url, parse_datasets, request_error, run_eval
+    from rlep.services.cli.eval import check_server_url, parse_datasets, request_error, run_eval, run_local_eval
     from rlep.services.eval.api import EvaluationRequest
 
+    if not local and (config or set_):
+        raise UserError("--config and --set apply to --local only (a running eval service has its own config)")
     check_server_url(server)
     options = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
     try:
@@ -246,7 +269,10 @@ def eval_command(
         )
     except ValidationError as err:
         raise request_error(err, {"model": model, **options}) from err
-    run_eval(server, auth_token_file, request, as_json=as_json, samples_file=samples)
+    if local:
+        run_local_eval(config, set_, request, as_json=as_json, samples_file=samples)
+    else:
+        run_eval(server, auth_token_file, request, as_json=as_json, samples_file=samples)
 
 
 from rlep.services.cli.train import register as _register_learner_commands  # noqa: E402 - typer only, light

@@ -71,13 +71,15 @@ def _figure(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def results_table(job: EvaluationJob) -> Table:
+def results_table(job: EvaluationJob, model: str | None = None) -> Table:
     """One row per dataset. Nothing is cut to fit the console: a long dataset path folds onto more lines of its
-    cell instead of ending in an ellipsis (two paths alike but for their ends would read the same)."""
+    cell instead of ending in an ellipsis (two paths alike but for their ends would read the same). `model` names
+    what was evaluated when the job's own name for it says less (--local: "current" is the checkpoint)."""
     n = job.request.n
     headers = ("dataset", "questions", f"avg@{n}", f"maj@{n}", f"pass@{n}", "mean tokens", "unparseable", "truncated")
     # Collapsed padding keeps the eight columns within 80 characters when the names are short.
-    table = Table(title=f"{job.request.model}: job {job.id} {job.status}", collapse_padding=True, pad_edge=False)
+    title = Text(f"{model or job.request.model}: job {job.id} {job.status}")
+    table = Table(title=title, collapse_padding=True, pad_edge=False)
     for header in headers:
         table.add_column(header, justify="left" if header == "dataset" else "right", overflow="fold")
     for result in job.results:
@@ -120,6 +122,7 @@ def run_eval(
     poll_s: float = 1.0,
     as_json: bool = False,
     samples_file: Path | None = None,
+    model: str | None = None,
 ) -> None:
     """Submits, follows and reports one job; exits 1 when it fails or is cancelled, 2 when it is refused.
     Ctrl-C cancels the job on the server. With `samples_file`, the job's responses are written there once it has
@@ -127,7 +130,7 @@ def run_eval(
     console = Console(stderr=as_json)
     if samples_file is not None and not samples_file.parent.is_dir():  # found out now, not after the job
         raise typer.BadParameter(f"{samples_file.parent} is not a directory", param_hint="--samples")
-    fix = "start it with `rlep serve eval`, or pass its URL with --server"
+    fix = "start it with `rlep serve eval`, pass its URL with --server, or evaluate a checkpoint without one: --local"
     with reaching("eval service", server, fix), EvalClient(server, token=read_token(token_file)) as client:
         try:
             job = client.submit(request)
@@ -152,9 +155,52 @@ def run_eval(
         if as_json:
             typer.echo(job.model_dump_json(indent=2))
         else:
-            console.print(results_table(job))
+            console.print(results_table(job, model))
         if samples_file is not None:
             write_samples(client, job, samples_file, console)
     if job.status != JobStatus.SUCCEEDED:
         console.print(f"[red]{job.status}[/red]: {job.error}")
         raise typer.Exit(1)
+
+
+def run_local_eval(
+    config_file: Path | None,
+    sets: list[str] | None,
+    request: EvaluationRequest,
+    as_json: bool = False,
+    samples_file: Path | None = None,
+) -> None:
+    """`rlep eval --local`: checks what it can in one line, starts the services the job needs here
+    (services/launch/local_eval.py), runs it as `run_eval` does, and stops them."""
+    import contextlib
+    import os
+
+    from rlep.common.tiny_model import resolve_model
+    from rlep.services.cli.train import check_scorers_of, load_train_config, model_problem
+    from rlep.services.eval.api import CURRENT_POLICY
+    from rlep.services.launch.local_eval import local_eval_services
+
+    if request.model == CURRENT_POLICY:
+        raise UserError(
+            "--local evaluates a checkpoint directory (or a preset) given as --model; `current` is the policy a "
+            "running rollout deployment serves: drop --local and give the eval service's --server"
+        )
+    resolved = load_train_config(config_file, sets, {"model": request.model})
+    if problem := model_problem(resolved.model):
+        raise UserError(problem)
+    check_scorers_of(resolved)
+    for dataset in request.datasets:  # before an engine starts, not as the job's first error
+        if dataset.name not in BUILTIN_DATASETS and not Path(dataset.name).is_file():
+            raise UserError(
+                f"--datasets {dataset.name}: no such file and no built-in set ({', '.join(BUILTIN_DATASETS)})"
+            )
+    if samples_file is not None and not samples_file.parent.is_dir():
+        raise typer.BadParameter(f"{samples_file.parent} is not a directory", param_hint="--samples")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's start-up lines would bury the table
+    model_dir = Path(resolve_model(resolved.model))
+    console = Console(stderr=True)
+    with contextlib.ExitStack() as stack:
+        with console.status(f"--local: starting a rollout replica of {model_dir}, a verifier and an eval service"):
+            services = stack.enter_context(local_eval_services(resolved, model_dir))
+        job = request.model_copy(update={"model": CURRENT_POLICY})  # the replica serves the checkpoint itself
+        run_eval(services.url, None, job, as_json=as_json, samples_file=samples_file, model=request.model)

@@ -97,7 +97,11 @@ def validate_request(request: EvaluationRequest, config: EvalConfig) -> Progress
         raise ValueError(f"{len(request.datasets)} datasets: this server takes at most {limits.max_datasets}")
     if request.model != CURRENT_POLICY:
         if config.checkpoint_rollout is None:
-            raise ValueError(f"this eval service evaluates only model={CURRENT_POLICY!r} (no checkpoint_rollout)")
+            raise ValueError(
+                f"this eval service evaluates only model={CURRENT_POLICY!r}: it has no checkpoint_rollout (a rollout "
+                "replica of its own that checkpoints are pushed to; docs/eval.md); or evaluate the checkpoint "
+                "without an eval service: rlep eval --local --model PATH"
+            )
         checkpoint_files(request.model, config.allowed_roots)
     total = 0
     for dataset in request.datasets:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlep.common.errors import UserError
@@ -79,13 +80,17 @@ def run_training(
             sinks=sinks,
         )
         trainer.start(resume)
+        console = Console()
+        # Output to a file or a pipe (nohup, a pod's log) gets a line per step: a progress bar draws nothing there.
+        step_lines = show_progress and not console.is_terminal
         with Progress(
             TextColumn(f"[bold]{config.run_id}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
-            disable=not show_progress,
+            console=console,
+            disable=not show_progress or step_lines,
         ) as progress:
             task = progress.add_task("train", total=config.steps, completed=trainer.step, status="")
             records = []
@@ -96,6 +101,13 @@ def run_training(
                 if record.eval_accuracy is not None:
                     status += f" eval {record.eval_accuracy:.2f}"
                 progress.update(task, completed=trainer.step, status=status)
+                if step_lines:
+                    console.print(
+                        f"{config.run_id} step {trainer.step}/{config.steps}: {status}, {record.step_seconds:.1f} s",
+                        highlight=False,
+                        markup=False,
+                        soft_wrap=True,  # one line per step, however long
+                    )
                 if stop_when is not None and trainer.step < config.steps and stop_when():
                     if config.checkpoint.dir:
                         trainer.save_checkpoint()

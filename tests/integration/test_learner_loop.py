@@ -285,6 +285,9 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=_left(started))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Its output is a pipe, where a progress bar draws nothing: a line per step instead (issue 47 item 6).
+    lines = [line for line in resumed.stdout.splitlines() if f"{config['run_id']} step " in line]
+    assert [line.split(" step ")[1].split(":")[0] for line in lines] == ["3/4", "4/4"], resumed.stdout[-2000:]
 
     records = _log_steps(log_path)
     assert [r.step for r in records] == [1, 2, 3, 4]  # continued from the step-2 checkpoint, nothing redone
