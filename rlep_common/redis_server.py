@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NoReturn
 
@@ -199,16 +199,20 @@ class LocalRedis:
     lock: IO[str] | None = None
     appendfsync: str = "always"
     extra_args: tuple[str, ...] = ()
+    # A supervisor that saw the server die releases it while its owner may be stopping or killing it: the lock
+    # file was closed by both at once ("I/O operation on closed file", CI).
+    _releasing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def url(self) -> str:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def _release(self) -> None:
-        (self.data_dir / PID_FILE).unlink(missing_ok=True)
-        if self.lock is not None:
-            self.lock.close()  # drops the flock
-            self.lock = None
+        with self._releasing:
+            (self.data_dir / PID_FILE).unlink(missing_ok=True)
+            if self.lock is not None:
+                self.lock.close()  # drops the flock
+                self.lock = None
 
     def stop(self) -> None:
         if self.process.poll() is None:
