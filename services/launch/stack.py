@@ -3,6 +3,9 @@ Serve deployment, verifier and replay as Ray actors (the replay one with its emb
 instance it finds (`ray.init()` locally, or `--ray-address` for a cluster). Services given as addresses
 (Kubernetes, a shared deployment) are used as they are.
 
+With `local.rollout_metrics_port` set, each replica started here also serves the `rlep_rollout_*` series on
+Prometheus /metrics; `rollout_metrics_urls()` says where (one log line per replica at start says the same).
+
 Replicas started here serve `model_dir` as the policy version it records (`rlep-policy.json`, written beside a
 trained checkpoint's HF export; 0 for a base model), so a rollout started from a trained checkpoint reports that
 checkpoint's version, and a replica Ray Serve restarts comes back at it.
@@ -125,7 +128,7 @@ class ServiceStack:
         from ray import serve
 
         from rlep.services.rollout.config import RolloutConfig
-        from rlep.services.rollout.ray_app import build_app
+        from rlep.services.rollout.ray_app import build_app, run_app
 
         local = self.config.local
         # The replicas return the logprobs the learner compares theirs with (`algorithm.logprobs_mode`).
@@ -134,7 +137,7 @@ class ServiceStack:
         )
         config = RolloutConfig(engine=engine, server=auth or {}, initial_version=policy_version_of(self.model_dir))
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        serve.run(
+        run_app(
             build_app(
                 config,
                 local.rollout_replicas,
@@ -143,14 +146,27 @@ class ServiceStack:
                 local.rollout_max_per_node,
                 local.rollout_port,
                 gpus_per_replica,
+                local.rollout_metrics_port,
             ),
-            name=self.app_name,
-            route_prefix=None,
+            self.app_name,
         )
         self._serve_started = True
         from rlep.services.rollout.registry import replica_addresses
 
         replica_addresses(self.app_name, wait_s=600, expect=local.rollout_replicas)
+        if local.rollout_metrics_port is not None:
+            for address, url in sorted(self.rollout_metrics_urls().items()):
+                log.info("rollout replica %s: /metrics at %s", address, url)
+
+    def rollout_metrics_urls(self) -> dict[str, str]:
+        """gRPC address -> /metrics URL of each live replica this stack started (`local.rollout_metrics_port`;
+        read from the replica registry, so a replica Serve restarted shows its new address); {} when it started
+        none or they serve no /metrics."""
+        if not self._serve_started:
+            return {}
+        from rlep.services.rollout.registry import replica_metrics_urls
+
+        return replica_metrics_urls(self.app_name)
 
     def actor(self, kind: str):
         """The Ray actor hosting a service this stack started ("verifier" or "replay"), if any."""

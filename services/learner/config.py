@@ -20,7 +20,13 @@ from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.learner.algorithm import LossAgg, LossSettings
 from rlep.services.learner.mismatch import Correction
 from rlep.services.replay.client import Strategy
-from rlep.services.rollout.config import SERVICE_PATTERN, EngineConfig, GenerateDeadline, port_range_error
+from rlep.services.rollout.config import (
+    SERVICE_PATTERN,
+    EngineConfig,
+    GenerateDeadline,
+    port_range_error,
+    port_ranges_overlap_error,
+)
 from rlep.services.verifier.config import ScorerSettings
 from rlep.services.weights.config import AutoSyncConfig, WeightSyncConfig
 
@@ -242,6 +248,12 @@ class LocalServicesConfig(StrictModel):
     """First gRPC port of the replicas on each node (a firewall can then name them); 0 = any free port. A node's
     replicas take `rollout_port` + a free slot, one slot per replica it may hold (`rollout_max_per_node`, else
     `rollout_replicas`); no free slot fails the replica's start."""
+    rollout_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus /metrics of every replica (the `rlep_rollout_*` series of `rlep serve rollout --metrics-port`, same
+    host and token as its gRPC); None = no /metrics, 0 = any free port each. Otherwise a node's replicas take
+    `rollout_metrics_port` + a free slot, one slot per replica it may hold, as `rollout_port` does; no free slot
+    fails the replica's start naming this setting. Each replica's address is logged at start and kept in the
+    replica registry (`ServiceStack.rollout_metrics_urls`)."""
     rollout_engine: EngineConfig = EngineConfig()
     """vLLM arguments of the replicas; `model` is replaced by the run's starting checkpoint."""
     verifier_workers: int = Field(1, ge=1)
@@ -258,8 +270,13 @@ class LocalServicesConfig(StrictModel):
 
     @model_validator(mode="after")
     def _rollout_ports_fit(self) -> LocalServicesConfig:
-        if error := port_range_error(self.rollout_port, self.rollout_max_per_node or self.rollout_replicas):
+        slots = self.rollout_max_per_node or self.rollout_replicas
+        if error := port_range_error(self.rollout_port, slots):
             raise ValueError(f"local.rollout_port: {error}")
+        if self.rollout_metrics_port and (error := port_range_error(self.rollout_metrics_port, slots)):
+            raise ValueError(f"local.rollout_metrics_port: {error}")
+        if error := port_ranges_overlap_error(self.rollout_port, self.rollout_metrics_port, slots):
+            raise ValueError(f"local.rollout_metrics_port: {error} (local.rollout_port)")
         return self
 
 

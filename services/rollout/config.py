@@ -24,6 +24,17 @@ def port_range_error(base: int, slots: int) -> str | None:
     return None
 
 
+def port_ranges_overlap_error(grpc_base: int, metrics_base: int | None, slots: int) -> str | None:
+    """Why replicas' /metrics ports `metrics_base ..` would take their gRPC ports `grpc_base ..` (both `slots` long);
+    None when they are apart, or either is 0 (any free port) or /metrics is off."""
+    if not grpc_base or not metrics_base or grpc_base + slots <= metrics_base or metrics_base + slots <= grpc_base:
+        return None
+    return (
+        f"/metrics ports {metrics_base}..{metrics_base + slots - 1} overlap the gRPC ports "
+        f"{grpc_base}..{grpc_base + slots - 1} ({slots} replica slots per node each)"
+    )
+
+
 class GenerateDeadline(StrictModel):
     """Deadline of one Generate call, from its size: `floor_s` + `s_per_1k_tokens` x prompts x n x max_tokens / 1000.
 

@@ -1,5 +1,5 @@
 """Where the replicas of a Ray Serve rollout application are: a small named actor (the registry) that each
-replica writes its gRPC address into, and the lookup the typed client and the stack read it with
+replica writes its gRPC address (and /metrics URL) into, and the lookup the typed client and the stack read it with
 (`RolloutClient.from_ray`). Plain Ray, no Serve: a client reads it without importing the deployment
 (ray_app.py, which registers)."""
 
@@ -16,19 +16,29 @@ REGISTRY_NAMESPACE = "rlep"
 
 @ray.remote(num_cpus=0)
 class ReplicaRegistry:
-    """replica id -> gRPC address of the live replicas of one rollout application."""
+    """replica id -> gRPC address (and /metrics URL, when it serves one) of the live replicas of one rollout
+    application."""
 
     def __init__(self) -> None:
         self._addresses: dict[str, str] = {}
+        self._metrics_urls: dict[str, str] = {}
 
-    def register(self, replica_id: str, address: str) -> None:
+    def register(self, replica_id: str, address: str, metrics_url: str | None = None) -> None:
         self._addresses[replica_id] = address
+        self._metrics_urls.pop(replica_id, None)
+        if metrics_url is not None:
+            self._metrics_urls[replica_id] = metrics_url
 
     def unregister(self, replica_id: str) -> None:
         self._addresses.pop(replica_id, None)
+        self._metrics_urls.pop(replica_id, None)
 
     def addresses(self) -> dict[str, str]:
         return dict(self._addresses)
+
+    def metrics_urls(self) -> dict[str, str]:
+        """gRPC address -> /metrics URL of the replicas that serve /metrics."""
+        return {self._addresses[replica_id]: url for replica_id, url in self._metrics_urls.items()}
 
 
 # Ray's resource of the head node: the registry lives there, so losing a worker node (and its replicas) never
@@ -67,3 +77,12 @@ def replica_addresses(app_name: str = "rlep-rollout", wait_s: float = 120.0, exp
     if not addresses:
         raise RuntimeError(f"no rollout replica registered for Ray Serve application {app_name!r}")
     return sorted(addresses.values())
+
+
+def replica_metrics_urls(app_name: str = "rlep-rollout") -> dict[str, str]:
+    """gRPC address -> Prometheus /metrics URL of each live registered replica that serves /metrics
+    (`local.rollout_metrics_port`, or `server.metrics_port` in a deployed app's config)."""
+    live = set(replica_addresses(app_name, wait_s=0))
+    return {
+        address: url for address, url in ray.get(registry(app_name).metrics_urls.remote()).items() if address in live
+    }

@@ -1,4 +1,5 @@
-"""Which port a Ray Serve rollout replica serves gRPC on: any free one, or a fixed one a firewall can name.
+"""Which port a Ray Serve rollout replica serves gRPC on: any free one, or a fixed one a firewall can name. Its
+/metrics port, when asked for (`local.rollout_metrics_port`), is chosen the same way from a range of its own.
 
 With `base` > 0 a replica serves on `base + slot`, the first of `slots` ports (the most replicas one node may
 hold: Serve's `max_replicas_per_node`) that no other replica of this host claimed and nothing else listens on.
@@ -24,6 +25,9 @@ from typing import IO
 from rlep.services.rollout.config import port_range_error
 
 ANY_PORT = 0  # no fixed port: any free one
+# Where a replica's base ports come from: `rlep train`'s local section, or the Serve app's args (`serve deploy`).
+GRPC_PORT_SETTING = "local.rollout_port (Serve app: port)"
+METRICS_PORT_SETTING = "local.rollout_metrics_port (Serve app: metrics_port)"
 
 
 class NoFreeReplicaPort(RuntimeError):
@@ -43,7 +47,9 @@ class PortClaim:
             self.lock = None
 
 
-def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = None) -> PortClaim:
+def claim_port(
+    host: str, base: int, slots: int = 1, lock_dir: Path | None = None, setting: str = GRPC_PORT_SETTING
+) -> PortClaim:
     """The first of ports `base .. base + slots - 1` that no other replica claimed and `host` can bind.
 
     Args:
@@ -51,6 +57,7 @@ def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = Non
         base: the first port; 0 = any free port (no claim, no lock).
         slots: how many consecutive ports replicas of one host may use.
         lock_dir: where the per-port lock files live (default: the system's temporary directory).
+        setting: the setting `base` came from, named in the error.
     Returns:
         The claim; hold it while the replica serves (`release` or process exit drops it).
     Raises:
@@ -72,8 +79,8 @@ def claim_port(host: str, base: int, slots: int = 1, lock_dir: Path | None = Non
         else:
             return PortClaim(port, lock)
     raise NoFreeReplicaPort(
-        f"no free rollout replica port on {host}: {', '.join(passed)}. Give the replicas more ports per node "
-        "(local.rollout_max_per_node / max_per_node), fewer replicas per node, or another base port"
+        f"no free rollout replica port for {setting} on {host}: {', '.join(passed)}. Give the replicas more ports "
+        "per node (local.rollout_max_per_node / max_per_node), fewer replicas per node, or another base port"
     )
 
 

