@@ -115,6 +115,12 @@ def write_samples(client: EvalClient, job: EvaluationJob, path: Path, console: C
     console.print(message, soft_wrap=True, markup=False)  # the path on one line, as it is
 
 
+def check_samples_file(path: Path | None) -> None:
+    """--samples names a file in an existing folder: found out now, not after the job."""
+    if path is not None and not path.parent.is_dir():
+        raise typer.BadParameter(f"{path.parent} is not a directory", param_hint="--samples")
+
+
 def run_eval(
     server: str,
     token_file: Path | None,
@@ -128,8 +134,7 @@ def run_eval(
     Ctrl-C cancels the job on the server. With `samples_file`, the job's responses are written there once it has
     ended, a failed or cancelled job's too (those scored before it stopped; not after Ctrl-C)."""
     console = Console(stderr=as_json)
-    if samples_file is not None and not samples_file.parent.is_dir():  # found out now, not after the job
-        raise typer.BadParameter(f"{samples_file.parent} is not a directory", param_hint="--samples")
+    check_samples_file(samples_file)
     fix = "start it with `rlep serve eval`, pass its URL with --server, or evaluate a checkpoint without one: --local"
     with reaching("eval service", server, fix), EvalClient(server, token=read_token(token_file)) as client:
         try:
@@ -194,8 +199,7 @@ def run_local_eval(
             raise UserError(
                 f"--datasets {dataset.name}: no such file and no built-in set ({', '.join(BUILTIN_DATASETS)})"
             )
-    if samples_file is not None and not samples_file.parent.is_dir():
-        raise typer.BadParameter(f"{samples_file.parent} is not a directory", param_hint="--samples")
+    check_samples_file(samples_file)  # before the engine starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's start-up lines would bury the table
     model_dir = Path(resolve_model(resolved.model))
     console = Console(stderr=True)

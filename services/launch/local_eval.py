@@ -55,17 +55,17 @@ def local_eval_services(config: TrainConfig, model_dir: Path) -> Iterator[LocalE
         )
         stack.callback(rollout.stop)
         redis_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlep-eval-redis-"))
-        addresses = LocalEval("", f"127.0.0.1:{rollout.port}", f"127.0.0.1:{verifier.port}")
+        rollout_address, verifier_address = f"127.0.0.1:{rollout.port}", f"127.0.0.1:{verifier.port}"
         service = start_eval(
             EvalConfig.model_validate(
                 {
                     "server": loopback,
                     "local_redis_dir": redis_dir,
-                    "rollout": {"addresses": [addresses.rollout]},
-                    "verifier": {"address": addresses.verifier},
+                    "rollout": {"addresses": [rollout_address]},
+                    "verifier": {"address": verifier_address},
                     "allowed_roots": ["/"],  # the user's own files on the user's own machine: no server to shield
                 }
             )
         )
         stack.callback(service.stop)
-        yield LocalEval(service.url, addresses.rollout, addresses.verifier)
+        yield LocalEval(service.url, rollout_address, verifier_address)

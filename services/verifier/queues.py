@@ -80,12 +80,8 @@ class FairQueue(Generic[T]):
 
     def take(self, caller: object) -> T:
         """`caller`'s first item out of turn (the express worker's pick); its next item keeps the caller's turn."""
-        items = self._callers[caller]
-        item = items.popleft()
-        if not items:
-            del self._callers[caller]
-            self._served.discard(caller)
-        self._size -= 1
+        item = self._callers[caller].popleft()
+        self._forget_if_empty(caller)
         return item
 
     def put_back(self, caller: object, items: list[T], last: bool) -> None:
@@ -102,13 +98,16 @@ class FairQueue(Generic[T]):
 
     def pop(self) -> tuple[object, T]:
         caller = max(self._callers, key=lambda c: len(self._callers[c]))
-        items = self._callers[caller]
-        item = items.pop()
-        if not items:
+        item = self._callers[caller].pop()
+        self._forget_if_empty(caller)
+        return caller, item
+
+    def _forget_if_empty(self, caller: object) -> None:
+        """After one of `caller`'s items was taken out of turn (`take`, `pop`): a caller with none left leaves."""
+        if not self._callers[caller]:
             del self._callers[caller]
             self._served.discard(caller)
         self._size -= 1
-        return caller, item
 
 
 class WorkQueues(Generic[T]):
@@ -177,10 +176,14 @@ class WorkQueues(Generic[T]):
         with self._cond:
             while True:
                 own = self._queues[index]
+                if own:
+                    caller, item = own.popleft()
+                    self._handed_out(caller, own, index)
+                    return item
                 stealable = [q for q, idle in zip(self._queues, self._idle, strict=True) if q and not idle]
-                if own or stealable:
-                    queue = own if own else max(stealable, key=len)
-                    caller, item = queue.popleft() if own else queue.pop()
+                if stealable:
+                    queue = max(stealable, key=len)
+                    caller, item = queue.pop()
                     self._handed_out(caller, queue, index)
                     return item
                 if self._closed and not any(self._queues):

@@ -12,19 +12,9 @@ from typer.testing import CliRunner
 from rlep.services.cli import packaged_models
 from rlep.services.cli.app import app
 from rlep.services.cli.model_import import ImportRefused, detect_format, resolve_source
+from tests.unit.test_refused_settings import refused
 
 runner = CliRunner()
-
-
-def refused(args: list[str], *needles: str) -> str:
-    """Runs `rlep args`; asserts exit code 2 and one line `error: ...` holding every needle, without a traceback."""
-    result = runner.invoke(app, args)
-    text = result.output.strip()
-    assert result.exit_code == 2, text
-    assert text.startswith("error:") and len(text.splitlines()) == 1, text
-    for needle in needles:
-        assert needle in text, text
-    return text
 
 
 def fake_gguf(path: Path) -> Path:
