@@ -1,5 +1,5 @@
-"""Checks a servicer runs on a parsed request, each aborting the call with INVALID_ARGUMENT: its size against the
-service's byte limit, and fields this schema does not know."""
+"""Checks a servicer runs on a parsed request: fields this schema does not know (INVALID_ARGUMENT). A request's
+size is checked before parsing, by `rlep.common.grpc_server.add_validated_servicer`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,6 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.unknown_fields import UnknownFieldSet
-
-
-def check_request_size(request: Any, context: grpc.ServicerContext, limit_bytes: int) -> None:
-    """Aborts with INVALID_ARGUMENT when a request exceeds the service's byte limit."""
-    size = request.ByteSize()
-    if size > limit_bytes:
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is {size} bytes, over the limit of {limit_bytes}; split it"
-        )
 
 
 def unknown_field_paths(message: Any, path: str = "") -> list[str]:

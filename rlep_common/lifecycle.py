@@ -80,7 +80,7 @@ def start_service(
     Returns `running_cls(..., **parts)`; `parts` are the subclass's own fields."""
     server, port, health_servicer = build_server(
         config,
-        lambda s: add_validated_servicer(s, service, servicer),
+        lambda s: add_validated_servicer(s, service, servicer, config.max_request_bytes),
         [service.full_name],
         [StatusCountInterceptor(requests, service.full_name, by_method)],
     )

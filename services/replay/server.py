@@ -22,7 +22,6 @@ from collections.abc import Iterator
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.common.grpc_validation import check_request_size
 from rlep.common.metrics import MetricFactory
 from rlep.common.stream_guard import no_progress
 from rlep.common.types import trajectory_id
@@ -140,7 +139,6 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
 
     @rpc(wrote=True)
     def AddTrajectories(self, request, context):
-        check_request_size(request, context, self.config.server.max_request_bytes)
         return self._add(request.pool, request.trajectories, request.questions)
 
     @rpc()
@@ -242,7 +240,6 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
                 # Naming the pool is no progress: chunks of nothing sent just under the idle timeout would
                 # otherwise hold a stream slot (and a thread) for as long as the client likes.
                 no_progress()
-            check_request_size(chunk, context, self.config.server.max_request_bytes)
             reply = self._add(pool, chunk.trajectories, chunk.questions)
             offset = total.added + total.duplicate + total.rejected
             total.added += reply.added

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.common.grpc_validation import check_request_size, reject_unknown_fields
+from rlep.common.grpc_validation import reject_unknown_fields
 from rlep.common.metrics import MetricFactory
 from rlep.common.wire import FINISH_TO_PROTO
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -98,7 +98,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self._metrics.generate_seconds.observe(time.perf_counter() - started)
 
     def _generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
-        check_request_size(request, context, self._config.server.max_request_bytes)
         reject_unknown_fields(request, context)
         try:
             sampling = sampling_from_request(request, self._config)

@@ -16,7 +16,6 @@ from concurrent.futures import CancelledError
 import grpc
 from prometheus_client import CollectorRegistry
 
-from rlep.common.grpc_validation import check_request_size
 from rlep.common.metrics import MetricFactory
 from rlep.common.types import Verdict
 from rlep.common.wire import VERDICT_TO_PROTO
@@ -113,7 +112,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _verify(
         self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.VerifyResponse:
-        check_request_size(request, context, self._config.server.max_request_bytes)
         count = len(request.items)
         if count > self._config.max_items_per_request:
             context.abort(

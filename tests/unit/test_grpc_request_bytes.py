@@ -59,7 +59,9 @@ class HoldingReplay(replay_pb2_grpc.ReplayBufferServicer):
 def serve(config: ServerConfig) -> Iterator[tuple]:
     """(stub, health stub, servicer, AddTrajectories taking serialized bytes) of a server with `config`."""
     servicer = HoldingReplay()
-    server, port, _ = build_server(config, lambda s: add_validated_servicer(s, SERVICE, servicer), [SERVICE.full_name])
+    server, port, _ = build_server(
+        config, lambda s: add_validated_servicer(s, SERVICE, servicer, config.max_request_bytes), [SERVICE.full_name]
+    )
     channel = make_channel(f"127.0.0.1:{port}")
     raw_add = channel.unary_unary("/rlep.replay.v1.ReplayBuffer/AddTrajectories")  # no serializers: bytes in and out
     yield replay_pb2_grpc.ReplayBufferStub(channel), health_pb2_grpc.HealthStub(channel), servicer, raw_add
@@ -164,3 +166,18 @@ def test_health_answers_while_every_thread_of_the_pool_is_held(served_on_two_thr
     assert reply.status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - started < 1.0
     servicer.gate.set()
     assert [call.result().added for call in held] == [1, 1]
+
+
+def test_a_request_over_max_request_bytes_is_refused_before_it_is_parsed(served):
+    """Its size is the bytes received: a parse (or a re-encode to measure it) of a 60 MB request would hold the GIL
+    while health checks wait (issue 46's mixed load)."""
+    stub, _, servicer, raw_add = served
+    over = replay_pb2.AddTrajectoriesRequest(pool="p", questions=[replay_pb2.Question(ground_truth="x" * MIB)])
+    with pytest.raises(grpc.RpcError) as refused:
+        raw_add(over.SerializeToString(), timeout=5)
+    size = over.ByteSize()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == f"request is {size} bytes, over the limit of {MIB}; split it"
+    assert servicer.parsed == 0
+    small = replay_pb2.AddTrajectoriesRequest(pool="p", questions=[replay_pb2.Question(ground_truth="42")])
+    assert stub.AddTrajectories(small, timeout=5).added == 1 and servicer.parsed == 1  # within the limit: parsed

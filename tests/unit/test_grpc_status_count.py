@@ -64,7 +64,7 @@ def served():
     servicer = FakeReplay()
     server, port, _ = build_server(
         ServerConfig(),
-        lambda s: add_validated_servicer(s, SERVICE, servicer),
+        lambda s: add_validated_servicer(s, SERVICE, servicer, 1 << 20),
         [SERVICE.full_name],
         [StatusCountInterceptor(counter, SERVICE.full_name)],
     )
@@ -145,7 +145,7 @@ def test_a_counter_without_method_label_counts_by_code_only():
     servicer = FakeReplay()
     server, port, _ = build_server(
         ServerConfig(),
-        lambda s: add_validated_servicer(s, SERVICE, servicer),
+        lambda s: add_validated_servicer(s, SERVICE, servicer, 1 << 20),
         [SERVICE.full_name],
         [StatusCountInterceptor(counter, SERVICE.full_name, by_method=False)],
     )
