@@ -1,4 +1,5 @@
-"""What the closed-loop tests share: a verl-schema file of sums, their training config, a seeded replay pool."""
+"""What the closed-loop tests share: a verl-schema file of sums, their training config, a seeded replay pool, and
+rollouts that rewrite samples so an untrained tiny model gives the verifier successes and wrong answers."""
 
 from __future__ import annotations
 
@@ -90,3 +91,49 @@ def seed_pool(stack, pool: str, rows: list[dict], per_question: int = 3) -> None
                 )
             )
     stack.services.replay.add(pool, trajectories)
+
+
+class AnsweringRollout:
+    """The stack's real rollout, counted, with two samples per question rewritten: sample 0 gives the right sum
+    (`\\boxed{a+b}`) and sample 1 a wrong one. The untrained tiny model never writes a parseable answer, so
+    without this the verifier would have no success to find and no WRONG verdict to give."""
+
+    def __init__(self, rollout):
+        self.rollout, self.calls = rollout, 0
+
+    def max_model_len(self) -> int:
+        return self.rollout.max_model_len()
+
+    def generate(self, prompts, sampling):
+        from dataclasses import replace
+
+        self.calls += 1
+        completions = self.rollout.generate(prompts, sampling)
+        for prompt, completion in zip(prompts, completions, strict=True):
+            a, b = (int(x) for x in prompt[-1]["content"].removesuffix("=?").split("+"))
+            right, wrong = f"\\boxed{{{a + b}}}", f"\\boxed{{{a + b + 1}}}"
+            completion.samples[0] = replace(completion.samples[0], text=right)
+            completion.samples[1] = replace(completion.samples[1], text=wrong)
+        return completions
+
+
+class WellFormedEquation:
+    """The stack's real rollout with sample 0 of every question rewritten to an equation of numbers no countdown
+    question draws (they are 1-99): countdown scores it FORMAT_SCORE (a wrong equation), math-verify -1. The untrained
+    tiny model writes no `<answer>` tags, so its own samples score countdown's 0."""
+
+    TEXT = "<think> none </think> <answer> 0 + 0 </answer>"
+
+    def __init__(self, rollout):
+        self._rollout = rollout
+
+    def __getattr__(self, name):
+        return getattr(self._rollout, name)
+
+    def generate(self, prompts, sampling):
+        from dataclasses import replace
+
+        completions = self._rollout.generate(prompts, sampling)
+        for completion in completions:
+            completion.samples[0] = replace(completion.samples[0], text=self.TEXT)
+        return completions

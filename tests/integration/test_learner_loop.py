@@ -17,7 +17,7 @@ import torch
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.records import LogRecord, StepRecord, read_step_log
 from tests.checkpoint_util import assert_same_tree, deepspeed_state
-from tests.loop_util import arithmetic_parquet, seed_pool, train_config
+from tests.loop_util import AnsweringRollout, WellFormedEquation, arithmetic_parquet, seed_pool, train_config
 from tests.tracking_util import jsonl_scalars, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -334,30 +334,6 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     assert time.monotonic() - started < RESUME_TEST_BUDGET_S
 
 
-class AnsweringRollout:
-    """The stack's real rollout, counted, with two samples per question rewritten: sample 0 gives the right sum
-    (`\\boxed{a+b}`) and sample 1 a wrong one. The untrained tiny model never writes a parseable answer, so
-    without this the verifier would have no success to find and no WRONG verdict to give."""
-
-    def __init__(self, rollout):
-        self.rollout, self.calls = rollout, 0
-
-    def max_model_len(self) -> int:
-        return self.rollout.max_model_len()
-
-    def generate(self, prompts, sampling):
-        from dataclasses import replace
-
-        self.calls += 1
-        completions = self.rollout.generate(prompts, sampling)
-        for prompt, completion in zip(prompts, completions, strict=True):
-            a, b = (int(x) for x in prompt[-1]["content"].removesuffix("=?").split("+"))
-            right, wrong = f"\\boxed{{{a + b}}}", f"\\boxed{{{a + b + 1}}}"
-            completion.samples[0] = replace(completion.samples[0], text=right)
-            completion.samples[1] = replace(completion.samples[1], text=wrong)
-        return completions
-
-
 def test_collect_samples_verifies_and_resumes(loop_stack, tmp_path):
     """Only verified successes reach the pool; a rerun after a finished collection samples nothing."""
     from dataclasses import replace
@@ -422,28 +398,6 @@ def test_training_file_with_candidates_seeds_the_pool(loop_stack, tmp_path):
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "with-pool.parquet"]) == 0  # idempotent
     assert seed_pool_from_candidates(replay, config.replay_pool, [tmp_path / "plain.parquet"]) == 0  # no candidates
     replay.drop(pool, confirm=pool)
-
-
-class WellFormedEquation:
-    """The stack's real rollout with sample 0 of every question rewritten to an equation of numbers no countdown
-    question draws (they are 1-99): countdown scores it FORMAT_SCORE (a wrong equation), math-verify -1. The untrained
-    tiny model writes no `<answer>` tags, so its own samples score countdown's 0."""
-
-    TEXT = "<think> none </think> <answer> 0 + 0 </answer>"
-
-    def __init__(self, rollout):
-        self._rollout = rollout
-
-    def __getattr__(self, name):
-        return getattr(self._rollout, name)
-
-    def generate(self, prompts, sampling):
-        from dataclasses import replace
-
-        completions = self._rollout.generate(prompts, sampling)
-        for completion in completions:
-            completion.samples[0] = replace(completion.samples[0], text=self.TEXT)
-        return completions
 
 
 def test_countdown_runs_are_scored_by_the_built_in_and_an_own_scorer(loop_stack, tmp_path, monkeypatch, caplog):
