@@ -7,7 +7,8 @@ import statistics
 from typing import Any
 
 from rlep.common.curves import peak, steps_to_reach
-from rlep.experiments.protocol.compare import censored_median, curve_auc, paired_bootstrap
+from rlep.experiments.protocol.compare import censored_median, curve_auc
+from rlep.experiments.protocol.intervals import both_intervals
 
 # Fractions of the baseline's gain (start -> peak) at which both arms' steps are compared as well as at the peak: where
 # along the climb replay saves steps, not only at its end.
@@ -68,7 +69,8 @@ PAIRED = [  # (label, baseline key, RLEP key)
 
 
 def paired(per_seed: list[dict]) -> dict[str, dict]:
-    """Paired differences RLEP - baseline with bootstrap intervals; steps to the peak over the seeds that reached it."""
+    """Paired differences RLEP - baseline with t intervals (bootstrap beside); steps to the peak over the seeds that
+    reached it."""
     out = {}
     for label, b, r in PAIRED:
         out[label] = _interval([s[b] for s in per_seed], [s[r] for s in per_seed])
@@ -102,30 +104,19 @@ def _median_ratio(per_seed: list[dict]) -> dict:
 
 
 def _interval(baseline: list[float], rlep: list[float]) -> dict:
+    """Mean RLEP - baseline with its primary interval (t for n <= 10) and the bootstrap beside it (`intervals`)."""
     if not baseline:
         return {"n": 0}
-    ci = paired_bootstrap(rlep, baseline)
-    return {
-        "baseline_mean": statistics.mean(baseline),
-        "rlep_mean": statistics.mean(rlep),
-        "diff": ci.mean,
-        "low": ci.low,
-        "high": ci.high,
-        "n": ci.n,
-        "excludes_zero": ci.excludes_zero(),
+    row = both_intervals(rlep, baseline)
+    excludes_zero = row["n"] > 1 and (row["low"] > 0 or row["high"] < 0)
+    return {"baseline_mean": statistics.mean(baseline), "rlep_mean": statistics.mean(rlep), **row} | {
+        "excludes_zero": excludes_zero
     }
 
 
 def _ratio(ratios: list[float]) -> dict:
-    """Mean of per-seed step ratios with its bootstrap interval; a speed-up is shown when the interval lies below 1."""
+    """Mean of per-seed step ratios with its primary interval; a speed-up is shown when that lies below 1."""
     if not ratios:
         return {"n": 0}
-    ci = paired_bootstrap(ratios, [0.0] * len(ratios))
-    return {
-        "ratio": True,
-        "diff": ci.mean,
-        "low": ci.low,
-        "high": ci.high,
-        "n": ci.n,
-        "below_one": ci.n > 1 and ci.high < 1,
-    }
+    row = both_intervals(ratios, [0.0] * len(ratios))
+    return {"ratio": True, **row, "below_one": row["n"] > 1 and row["high"] < 1}

@@ -12,6 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rlep.common.curves import peak
+from rlep.experiments.protocol.decision import decide
+from rlep.experiments.protocol.endpoint_tables import print_ablation_endpoints, print_endpoints
+from rlep.experiments.protocol.endpoints import ablation_endpoints, arm_endpoints
 from rlep.experiments.protocol.figures import MEDIAN_RATIO, paired, run_figures
 
 
@@ -67,8 +70,11 @@ def report(cfg, raw: dict) -> dict:
     for arm, label in ARMS.items():
         if arm in raw:
             figures = {s: run_figures(raw["baseline"][s], raw[arm][s]) for s in seeds}
+            endpoints = arm_endpoints(raw["baseline"], {s: raw[arm][s] for s in seeds})
             arms[arm] = {
                 "label": label,
+                "endpoints": endpoints,
+                "decision": decide(endpoints["endpoints"]["plateau"], endpoints["late_rescues"]["mean"]).to_json(),
                 "per_seed": figures,
                 "paired": paired(list(figures.values())),
                 "costs": costs(cfg, raw, arm, figures),
@@ -95,6 +101,7 @@ def report(cfg, raw: dict) -> dict:
     }
     if "ablations" in raw:
         summary["ablations"] = ablation_cells(raw, seeds[: cfg.ablation_seeds])
+        summary["ablation_endpoints"] = ablation_endpoint_figures(raw, seeds[: cfg.ablation_seeds])
         summary["pool_other_rule"] = raw.get("pool_other_rule")
         summary["pool_half"] = raw.get("pool_half")
     cfg.results.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +142,18 @@ def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
         figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
         cells[name] = {"seeds": len(figures), "replayed_rows_per_step": replayed_rows(cell["runs"]), **paired(figures)}
     return cells
+
+
+def ablation_endpoint_figures(raw: dict, seeds: list[int]) -> dict | None:
+    """The named endpoints of the cells that finished all `seeds` (exploratory, Holm across them); None if none."""
+    cells = {
+        name: cell["runs"]
+        for name, cell in raw["ablations"].items()
+        if "runs" in cell and len(cell["runs"]) == len(seeds)
+    }
+    if not cells:
+        return None
+    return ablation_endpoints(raw["baseline"], cells, {s: raw["rlep"][s] for s in seeds})
 
 
 def replayed_rows(runs: dict) -> float:
@@ -223,18 +242,23 @@ def _median(row: dict) -> str:
 
 
 def _ci(row: dict, digits: int = 3) -> str:
+    """The mean, its primary interval (t95 for n <= 10) and the other beside it, e.g. `+0.005 t[...] boot(...)`."""
     if not row.get("n"):
         return "n/a"
     if row["n"] == 1:  # one pair: a difference, no interval
         return f"{row['diff']:+.{digits}f} (1 seed)"
-    if row.get("ratio"):  # a ratio is judged against 1, not 0
-        star = " *" if row["below_one"] else ""
-        return f"{row['diff']:.{digits}f} [{row['low']:.{digits}f}, {row['high']:.{digits}f}]{star}"
-    star = " *" if row["excludes_zero"] else ""
-    return f"{row['diff']:+.{digits}f} [{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]{star}"
+    sign = "" if row.get("ratio") else "+"
+    t = f"t[{row['t_low']:{sign}.{digits}f}, {row['t_high']:{sign}.{digits}f}]"
+    boot = f"boot[{row['boot_low']:{sign}.{digits}f}, {row['boot_high']:{sign}.{digits}f}]"
+    primary, beside = (t, boot) if row["method"] == "t" else (boot, t)
+    # A ratio is judged against 1, not 0; the star follows the primary interval.
+    star = " *" if row.get("below_one" if row.get("ratio") else "excludes_zero") else ""
+    return f"{row['diff']:{sign}.{digits}f} {primary} {beside.replace('[', '(').replace(']', ')')}{star}"
 
 
 def print_tables(summary: dict, console: Console) -> None:
+    for arm in summary["arms"].values():  # the decision and the named endpoints lead
+        print_endpoints(arm["label"], arm["endpoints"], arm["decision"], console)
     for arm in summary["arms"].values():
         print_arm(arm, console)
     pool = summary["pool"]
@@ -255,6 +279,8 @@ def print_tables(summary: dict, console: Console) -> None:
         print_replay_signal(summary["replay_signal"], console)
     if "ablations" in summary:
         print_ablations(summary["ablations"], console)
+    if summary.get("ablation_endpoints"):
+        print_ablation_endpoints(summary["ablation_endpoints"], console)
 
 
 def print_replay_signal(runs: dict[str, list[dict]], console: Console) -> None:
@@ -305,7 +331,9 @@ def print_arm(arm: dict, console: Console) -> None:
         )
     console.print(seeds)
     table = Table(
-        title=f"paired over seeds: {label} - baseline, mean \\[bootstrap 95% CI] (* excludes 0; a ratio: below 1)"
+        title=f"paired over seeds: {label} - baseline (the baseline's own stopping step; peak and steps to it are "
+        "secondary, noise-sensitive), mean t\\[95% CI, df = n-1] boot(percentile bootstrap 95%, under-covers at "
+        "n <= 10) (* primary interval excludes 0; a ratio: below 1)"
     )
     for column in ("figure", "baseline", "RLEP", "difference", "n"):
         table.add_column(column, justify="right")
@@ -338,7 +366,10 @@ def print_arm(arm: dict, console: Console) -> None:
 
 
 def print_ablations(cells: dict, console: Console) -> None:
-    table = Table(title="ablations: variant - baseline (same seeds), mean \\[bootstrap 95% CI]")
+    table = Table(
+        title="ablations (exploratory): variant - baseline (same seeds), mean t\\[95% CI] boot(bootstrap 95%); "
+        "peak and steps secondary, noise-sensitive"
+    )
     columns = ("cell", "seeds", "replayed rows / step", "peak", "final", "mean acc", "reached B peak")
     for column in (*columns, "ratio (reaching)", "median ratio"):
         table.add_column(column, justify="right")

@@ -15,12 +15,16 @@
 5. Held-out set of `eval_questions` x `eval_samples` (one sample per question: SE = sqrt(p(1-p)/Q) <= 0.01
    at any p for Q >= 2,500), evaluated every `eval_every` steps with the run's seed as sampling seed, so
    both arms of a seed are scored with the same evaluation seed.
-6. Per-seed figures and paired differences (RLEP - baseline) with bootstrap 95% intervals; one PNG, the
-   JSON and rich tables (`report`). `--ablations` adds the ablation cells.
+6. Issue 49's named endpoints (`endpoints`: early gain, plateau on one fixed horizon) and its pre-registered
+   decision (`decision`) first, then per-seed figures and paired differences (RLEP - baseline) with Student t 95%
+   intervals (df = n - 1) and the percentile bootstrap beside them (`intervals`); one PNG, the JSON and rich tables
+   (`report`). `--ablations` adds the ablation cells (exploratory, Holm-corrected across cells).
 
     python -m rlep.experiments.protocol.run                  # the protocol (~2 h on 2 cores)
     python -m rlep.experiments.protocol.run --ablations      # + the ablation table (see ABLATIONS)
     python -m rlep.experiments.protocol.run --set seeds=[0,1] --set max_steps=4 ...   # a smoke run
+    python -m rlep.experiments.protocol.run --report-only --ablations   # report the archive, start nothing
+    python -m rlep.experiments.protocol.run --endpoints-of experiments/protocol/results/issue15.json
 
 Finished runs are kept under `work_dir/<run>/result.json` and reused on a rerun (delete to redo them), and in
 the committed archive (`archive`) with the checkpoints the rest starts from, so a rerun on
@@ -157,7 +161,17 @@ def main() -> None:
     parser.add_argument("--ablations", action="store_true", help="also run the ablation cells")
     parser.add_argument("--report-only", action="store_true", help="report what has finished (cells: --ablations)")
     parser.add_argument("--archive", action="store_true", help="archive what has finished, then exit")
+    parser.add_argument(
+        "--endpoints-of", type=Path, default=None, help="report a summary JSON's runs with today's statistics"
+    )
     args = parser.parse_args()
+    if args.endpoints_of:
+        from rich.console import Console
+
+        from rlep.experiments.protocol.summary_report import report_summary
+
+        report_summary(args.endpoints_of, Console(width=200))
+        return
     cfg = load_config(ProtocolConfig, args.config, sets=args.sets, env_prefix="protocol")
     if args.archive:
         warm, _ = shared_warmup(cfg, build=False)
