@@ -10,6 +10,9 @@ matches), the one the learner computes from the training parquet, so imported su
 at training time. Exporting writes one row per
 question with all its stored successes as candidates, which the reference verl recipe reads as-is.
 
+Per-question history rides along (`pool_file_history`): an `rlep_history` column on the rows, and the history of
+questions with no success in the file's key-value metadata; files without them import as before.
+
 Import checks a file once, through the handle it then reads (`check_pool_file`): column types, rows that reuse
 a kept question id with another prompt or answer (the whole file refused), over-size rows and candidates (left
 out one by one, counted). Chunks are cut by trajectories and bytes. Export replaces its target atomically.
@@ -30,6 +33,18 @@ import pyarrow.parquet as pq
 
 from rlep.common.atomic_file import atomic_write
 from rlep.common.dataset import QuestionIdConflicts, verl_prompt, verl_question_id
+from rlep.common.pool_file_history import (
+    HISTORY_ONLY_KEY,
+    HISTORY_SCHEMA,
+    HISTORY_TYPE,
+    SCHEMA_KEY,
+    HistoryFileError,
+    check_history_schema,
+    history_from_row,
+    history_only_bytes,
+    history_to_row,
+    read_history_only,
+)
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
 
@@ -74,6 +89,8 @@ class PoolFileCheck:
     parquet: pq.ParquetFile | None = field(default=None, compare=False, repr=False)
     """The file as checked, still open: the import reads these bytes, not the path again (a file swapped
     between the check and the read would otherwise be imported unchecked)."""
+    history_only: list = field(default_factory=list, compare=False, repr=False)
+    """(Question or None, QuestionHistory) of the questions with history and no success (`pool_file_history`)."""
 
     @property
     def importable(self) -> int:
@@ -182,8 +199,12 @@ def check_pool_file(path: Path, limits: RowLimits = RowLimits()) -> PoolFileChec
                 f"{path}: `{column}` has {have}, not {', '.join(fields)}; {EXPECTED} (a training parquet has no "
                 "candidates; import it with `rlep train`, or collect a pool with `rlep collect`)"
             )
-    if problem := _type_problem(schema):
+    if problem := _type_problem(schema) or check_history_schema(parquet.metadata.metadata, schema):
         raise PoolFileError(f"{path}: {problem}; {EXPECTED}")
+    try:
+        history_only = read_history_only(parquet.metadata.metadata)
+    except HistoryFileError as err:
+        raise PoolFileError(f"{path}: {err}; nothing imported") from err
     refused: Counter = Counter()
     skipped = 0
     conflicts = QuestionIdConflicts()
@@ -198,7 +219,7 @@ def check_pool_file(path: Path, limits: RowLimits = RowLimits()) -> PoolFileChec
             index += 1
     if conflicts.count:
         raise PoolFileError(f"{path}: {conflicts.describe()}; nothing imported")
-    return PoolFileCheck(parquet.metadata.num_rows, refused, skipped, Path(path), parquet)
+    return PoolFileCheck(parquet.metadata.num_rows, refused, skipped, Path(path), parquet, history_only)
 
 
 def read_pool_rows(
@@ -209,9 +230,10 @@ def read_pool_rows(
     read through the handle it checked) or a path. A row with more candidates than a chunk holds is split
     across chunks, its question sent with each part (adds are idempotent)."""
     if isinstance(source, PoolFileCheck):
-        parquet, path = source.parquet, source.path
+        parquet, path, history_only = source.parquet, source.path, source.history_only
     else:
         parquet, path = pq.ParquetFile(source), Path(source)
+        history_only = read_history_only(parquet.metadata.metadata)
     run_id = f"import:{path.name}"
     chunk, size = replay_pb2.PoolChunk(pool=pool), 0
     for batch in parquet.iter_batches(batch_size=ROW_BATCH):
@@ -228,6 +250,8 @@ def read_pool_rows(
                     chunk.questions.append(question)
                     size += question.ByteSize()
                     in_chunk = True
+                    if row.get("rlep_history"):  # stored once per question whatever chunk repeats it
+                        chunk.histories.append(history_from_row(question.question_id, row["rlep_history"]))
                 chunk.trajectories.add(
                     question_id=question.question_id,
                     response_text=candidate,
@@ -239,6 +263,22 @@ def read_pool_rows(
                 )
                 size += cost
     if chunk.trajectories:
+        yield chunk
+    yield from _history_only_chunks(pool, history_only)
+
+
+def _history_only_chunks(pool: str, history_only: list) -> Iterator[replay_pb2.PoolChunk]:
+    chunk, size = replay_pb2.PoolChunk(pool=pool), 0
+    for question, history in history_only:
+        if chunk.histories and (len(chunk.histories) >= CHUNK_TRAJECTORIES or size > CHUNK_BYTES):
+            yield chunk
+            chunk, size = replay_pb2.PoolChunk(pool=pool), 0
+        if question is not None:
+            chunk.questions.append(question)
+            size += question.ByteSize()
+        chunk.histories.append(history)
+        size += history.ByteSize()
+    if chunk.histories:
         yield chunk
 
 
@@ -252,7 +292,9 @@ POOL_SCHEMA = pa.schema(
             pa.struct([("ground_truth", pa.string()), ("style", pa.string()), ("candidates", pa.list_(pa.string()))]),
         ),
         ("extra_info", pa.struct([("index", pa.int64()), ("question_id", pa.string())])),
-    ]
+        ("rlep_history", HISTORY_TYPE),
+    ],
+    metadata={SCHEMA_KEY: HISTORY_SCHEMA},
 )
 
 
@@ -266,8 +308,11 @@ def write_pool_rows(chunks: Iterable[replay_pb2.PoolChunk], path: Path) -> int:
     path = Path(path)
     if path.is_symlink():
         raise PoolFileError(f"{path} is a symbolic link; export writes a file of its own: name another path")
-    with atomic_write(path, _file_mode(path)) as file:  # the mode an ordinary new file (or the replaced one) has
-        rows_written = _write_rows(chunks, file)
+    try:
+        with atomic_write(path, _file_mode(path)) as file:  # the mode an ordinary new file (or the replaced one) has
+            rows_written = _write_rows(chunks, file)
+    except HistoryFileError as err:
+        raise PoolFileError(f"{path}: {err}; nothing written") from err
     return rows_written
 
 
@@ -281,11 +326,17 @@ def _file_mode(path: Path) -> int:
 
 def _write_rows(chunks: Iterable[replay_pb2.PoolChunk], file: BinaryIO) -> int:
     rows_written = 0
+    history_only: list[tuple[str, bytes | None, replay_pb2.QuestionHistory]] = []
     with pq.ParquetWriter(file, POOL_SCHEMA) as writer:
         for chunk in chunks:
             candidates: dict[str, list[str]] = {}
             for traj in chunk.trajectories:
                 candidates.setdefault(traj.question_id, []).append(traj.response_text)
+            histories = {h.question_id: h for h in chunk.histories}
+            # A question with history and no success has no row (a row needs candidates, and verl a prompt).
+            alone = {q for q in histories if q not in candidates}
+            metas = {q.question_id: q.SerializeToString() for q in chunk.questions if q.question_id in alone}
+            history_only += [(q, metas.get(q), histories[q]) for q in histories if q in alone]
             rows = [
                 {
                     "data_source": q.data_source,
@@ -297,10 +348,14 @@ def _write_rows(chunks: Iterable[replay_pb2.PoolChunk], file: BinaryIO) -> int:
                         "candidates": candidates.get(q.question_id, []),
                     },
                     "extra_info": {"index": q.index, "question_id": q.question_id},
+                    "rlep_history": history_to_row(histories[q.question_id]) if q.question_id in histories else None,
                 }
                 for q in chunk.questions
+                if q.question_id not in alone
             ]
             if rows:
                 writer.write_table(pa.Table.from_pylist(rows, schema=POOL_SCHEMA))
                 rows_written += len(rows)
+        if history_only:
+            writer.add_key_value_metadata({HISTORY_ONLY_KEY: history_only_bytes(history_only)})
     return rows_written

@@ -1,6 +1,7 @@
 """Replay under hostile callers: idle, unread and trickling streams (issue 31 item 1, issue 46 items 1-2), its
 embedded Redis killed (item 3), a pool name with a newline (7), NaN log-probabilities and one add of 20,000 rows (9),
-pool files of the wrong schema (10)."""
+pool files of the wrong schema (10); issue 48's per-question history: a report of 10^6 questions, NaN rewards, a step
+reported twice, an unknown pool."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def replay_items(work: Path) -> dict:
         out["9 NaN behavior_logprobs"] = {"added": nan.added, "rejected": [r.reason for r in nan.rejections]}
         out["9 one add of 20,000 rows"] = big_add(stub, list_pools)
         out["10 wrong pool files"] = wrong_pool_files(replay, stub, work)
+        out["48 hostile ReportOutcomes"] = hostile_reports(stub)
     finally:
         channel.close()
         replay.stop()
@@ -197,4 +199,32 @@ def wrong_pool_files(replay: Service, stub, work: Path) -> dict:
         )
         pools = stub.ListPools(replay_pb2.ListPoolsRequest(), timeout=5).pools
         out[name] = {"exit": run.returncode, "pool_created": pool in pools, "says": run.stderr.strip()[-160:]}
+    return out
+
+
+def hostile_reports(stub) -> dict:
+    """Issue 48: ReportOutcomes of 10^6 questions (code and seconds), a NaN reward, a step reported twice, an unknown
+    pool; and whether the pool's history changed."""
+    stub.AddTrajectories(add_request("history", []), timeout=5)
+
+    def report(step: int, outcomes, pool: str = "history"):
+        return replay_pb2.ReportOutcomesRequest(pool=pool, run_id="run", step=step, outcomes=outcomes)
+
+    one = [replay_pb2.QuestionOutcome(question_id="q", attempts=4, successes=1)]
+    stub.ReportOutcomes(report(1, one), timeout=5)
+    before = stub.GetPoolStats(replay_pb2.GetPoolStatsRequest(pool="history"), timeout=5)
+    huge = report(2, [replay_pb2.QuestionOutcome(question_id=f"q{i}", attempts=4) for i in range(10**6)])
+    started = time.perf_counter()
+    out = {"10^6 questions": code_of(lambda: stub.ReportOutcomes(huge, timeout=60))}
+    out["10^6 questions refused after s"] = round(time.perf_counter() - started, 2)
+    nan = [replay_pb2.QuestionOutcome(question_id="q", attempts=4, successes=1, mean_reward=math.nan)]
+    out["NaN mean_reward"] = code_of(lambda: stub.ReportOutcomes(report(2, nan), timeout=5))
+    out["step 1 again: duplicate"] = stub.ReportOutcomes(report(1, one), timeout=5).duplicate
+    out["unknown pool"] = code_of(lambda: stub.ReportOutcomes(report(2, one, "no-such-pool"), timeout=5))
+    after = stub.GetPoolStats(replay_pb2.GetPoolStatsRequest(pool="history"), timeout=5)
+    out["history unchanged"] = (before.questions_with_history, before.history_reports) == (
+        after.questions_with_history,
+        after.history_reports,
+    )
+    stub.DropPool(replay_pb2.DropPoolRequest(pool="history", confirm="history"), timeout=60)
     return out

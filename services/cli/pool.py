@@ -65,14 +65,26 @@ def list_pools(address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt 
 LENGTH_LABEL = "response length (tokens, or words without token ids)"
 
 
+QUESTION_PAGE = 20  # questions `stats --questions` lists: the first page, by recent pass rate (hardest first)
+
+
 @pool_app.command("stats")
-def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: TokenOpt = None) -> None:
+def stats(
+    pool: str,
+    questions: Annotated[
+        bool,
+        typer.Option("--questions", help="Also the per-question history: pass rates, rescues, the first questions."),
+    ] = False,
+    address: AddressOpt = DEFAULT_ADDRESS,
+    auth_token_file: TokenOpt = None,
+) -> None:
     """Questions, trajectories, per-question counts, lengths and versions of a pool, as tables."""
     from rich.console import Console
     from rich.table import Table
 
     with _rpc_errors_exit(address), _client(address, auth_token_file) as client:
         s = client.stats(pool)
+        page = client.question_stats(pool, limit=QUESTION_PAGE) if questions else None
     console = Console()
     summary = Table(title=f"pool {s.pool}", show_header=False)
     for label, value in (
@@ -97,6 +109,70 @@ def stats(pool: str, address: AddressOpt = DEFAULT_ADDRESS, auth_token_file: Tok
         for bucket in buckets:
             table.add_row(bucket.label, str(bucket.count))
         console.print(table)
+    if page is not None:
+        _print_history(console, s, page)
+
+
+def _print_history(console, s, page) -> None:
+    """`stats --questions`: the history's totals, the pass-rate distribution and the first page of questions."""
+    from rich.table import Table
+
+    if not s.questions_with_history:
+        console.print(f"pool {s.pool}: no per-question history yet (the learner reports it each step)")
+        return
+    settings = s.history_settings
+    summary = Table(title=f"pool {s.pool}: per-question history", show_header=False)
+    for label, value in (
+        ("questions with history", s.questions_with_history),
+        ("reports recorded", s.history_reports),
+        ("never solved by the policy", s.never_solved_questions),
+        (
+            f"mastered (pass rate >= {settings.mastered_pass_rate:g} over >= {settings.mastered_min_visits} visits)",
+            s.mastered_questions,
+        ),
+        ("rescues (replay into a group with no fresh success)", s.rescues),
+        ("replayed rows", s.replayed_rows),
+        ("recent window (visits) / EMA alpha", f"{settings.window} / {settings.ema_alpha:g}"),
+    ):
+        summary.add_row(label, str(value))
+    console.print(summary)
+    distribution = Table(title="recent pass rate")
+    distribution.add_column("pass rate")
+    distribution.add_column("questions", justify="right")
+    for bucket in s.pass_rate_histogram:
+        distribution.add_row(bucket.label, str(bucket.count))
+    console.print(distribution)
+    shown = f"first {len(page.questions)} of {page.matching}, lowest recent pass rate first"
+    table = Table(title=f"questions ({shown})")
+    for column in (
+        "question",
+        "visits",
+        "attempts",
+        "solved",
+        "recent",
+        "EMA",
+        "replayed",
+        "rescued",
+        "last step",
+        "last solved",
+    ):
+        table.add_column(column, justify="left" if column == "question" else "right")
+    for q in page.questions:
+        table.add_row(
+            q.question_id,
+            str(q.visits),
+            str(q.attempts),
+            str(q.successes),
+            f"{q.pass_rate:.2f}" + (" *" if q.mastered else ""),
+            f"{q.ema_pass_rate:.2f}",
+            str(q.times_replayed),
+            str(q.times_rescued),
+            str(q.last_step),
+            "never" if q.last_solved_step < 0 else str(q.last_solved_step),
+        )
+    console.print(table)
+    if page.questions and any(q.mastered for q in page.questions):
+        console.print("* mastered")
 
 
 @pool_app.command("import")
@@ -122,7 +198,7 @@ def import_pool(
         check = check_pool_file(path, limits)
     except PoolFileError as err:
         raise UserError(str(err)) from err
-    if check.importable == 0:
+    if check.importable == 0 and not check.history_only:
         raise UserError(f"{path}: nothing to import: all {check.rows} rows refused ({check.describe_refused()})")
     # Each chunk is applied atomically, not the whole file; adds are idempotent, so a re-run completes it.
     hint = "\nthe chunks sent before the error are stored; run the same import again to complete it"
@@ -141,10 +217,16 @@ def import_pool(
         if check.skipped_candidates
         else ""
     )
+    histories = (
+        f"; histories imported {reply.histories_imported}, kept {reply.histories_kept}"
+        if reply.histories_imported or reply.histories_kept
+        else ""
+    )
     typer.echo(
         f"{pool}: added {reply.added}, duplicate {reply.duplicate}, rejected {reply.rejected}, evicted {reply.evicted}"
         + refused
         + skipped
+        + histories
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.learner.algorithm import LossAgg, LossSettings
 from rlep.services.learner.mismatch import Correction
+from rlep.services.learner.replay_rules import ReplayRuleConfig
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import (
     SERVICE_PATTERN,
@@ -74,6 +75,9 @@ class AlgorithmConfig(StrictModel):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     replay_strategy: Strategy = Strategy.UNIFORM
     """Beyond the reference (off by default): how replayed successes are chosen."""
+    replay_rule: ReplayRuleConfig = ReplayRuleConfig()
+    """Beyond the reference: whether a group gets replay at all (`always`, the paper's, by default; `rescue`, `band`,
+    retirement: `learner.replay_rules`), and the per-question outcomes reported to the replay service's history."""
     reverify_replayed: bool = True
     """Score replayed answers with this run's verifier like fresh ones (the reference's reward manager
     scores the whole batch); False = trust the stored reward."""

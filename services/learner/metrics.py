@@ -31,6 +31,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "rlep_learner_replay_failed_verification",
         "Replayed answers of the last step that this run's verifier did not find correct",
     ),
+    "replay_offered": (
+        "rlep_learner_replay_offered",
+        "Groups of the last step the replay rule let replay into (algorithm.replay_rule; all under `always`)",
+    ),
+    "replay_rescued_groups": (
+        "rlep_learner_replay_rescued_groups",
+        "Groups of the last step with no fresh success that got a replayed row",
+    ),
     "replay_advantage_share": (
         "rlep_learner_replay_advantage_share",
         "Replayed rows' share of the last step's advantage mass (|A| x response tokens)",

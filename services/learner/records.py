@@ -76,6 +76,17 @@ class StepRecord:
     scorer_failures: float = 0.0
     """Fraction of the step's fresh samples the verifier could not score (ERROR or TIMEOUT verdict: reward
     `error_reward`, never a success); above `SCORER_FAILURES_WARN` the step logs a warning."""
+    replay_offered: int = 0
+    """Groups the replay rule let replay into (`algorithm.replay_rule`: all of them under `always`, with M > 0)."""
+    replay_skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Groups the rule kept replay out of, by reason (`fresh_succeeded`, `out_of_band`, `retired`)."""
+    replay_rescued_groups: int = 0
+    """Groups with no fresh success that got a replayed row."""
+    history_status: str | None = None
+    """The step's report to the replay service's per-question history (`ReplayReport.history_status`); absent when
+    nothing was reported."""
+    history_recorded: int | None = None
+    """Questions that report recorded."""
     rollout_mismatch_kl: float | None = None
     """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
     policies; the `rollout_mismatch_*` fields are None in logs written before them."""
@@ -104,6 +115,9 @@ class StepRecord:
     the policy being trained (`kl_in: loss`) or the old one (`kl_in: reward`); None without a KL term."""
     eval_accuracy: float | None = None
     """Held-out accuracy after this step; None (and absent from the log) on steps without an evaluation."""
+    eval_correct: list[int] | None = None
+    """With `eval_accuracy`: correct samples per held-out question, in the evaluation set's order, so accuracy can
+    be sliced by difficulty afterwards (issue 49)."""
 
     def to_json(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -127,7 +141,10 @@ ABSENT_WHEN_NONE = (
     "replay_logprob_mean",
     "replay_sequence_prob_mean",
     "kl_ref",
+    "history_status",
+    "history_recorded",
     "eval_accuracy",
+    "eval_correct",
 )
 
 
@@ -138,9 +155,14 @@ class EvalRecord:
     step: int
     policy_version: int
     eval_accuracy: float
+    eval_correct: list[int] | None = None
+    """Correct samples per held-out question (as `StepRecord.eval_correct`); absent from logs written before it."""
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        record = dataclasses.asdict(self)
+        if record["eval_correct"] is None:
+            del record["eval_correct"]
+        return record
 
 
 LogRecord = StepRecord | EvalRecord
@@ -148,7 +170,8 @@ LogRecord = StepRecord | EvalRecord
 
 def parse_record(line: dict[str, Any]) -> LogRecord:
     """The record a JSONL line holds (an evaluation-only line has no training figures)."""
-    return EvalRecord(**line) if line.keys() == {f.name for f in dataclasses.fields(EvalRecord)} else StepRecord(**line)
+    evaluation_only = line.keys() <= {f.name for f in dataclasses.fields(EvalRecord)}
+    return EvalRecord(**line) if evaluation_only else StepRecord(**line)
 
 
 def format_record(record: LogRecord) -> str:

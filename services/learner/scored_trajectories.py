@@ -116,9 +116,26 @@ class ReplayReport:
     """Used, but this run's verifier did not find them correct (trained with the reward it gave)."""
     dropped: Counter = field(default_factory=Counter)
     """Reason -> answers (or missing answers) that did not reach the batch."""
+    offered: int = 0
+    """Groups the replay rule let replay into (`learner.replay_rules`; all of them under `always`)."""
+    skipped: Counter = field(default_factory=Counter)
+    """Reason -> groups the rule kept replay out of."""
+    rescued_groups: int = 0
+    """Groups with no fresh success that got at least one replayed row."""
+    history_status: str | None = None
+    """What reporting the step's outcomes to the replay service's history did: `recorded`, `duplicate` (a resumed
+    run's step already reported), `pool_missing`, `failed: <code>`; None when nothing was reported (no replay
+    service, or `replay_rule.report_outcomes` off)."""
+    history_recorded: int | None = None
+    """Questions the report recorded."""
 
     def record(self) -> dict:
         return {
+            "replay_offered": self.offered,
+            "replay_skipped": dict(self.skipped),
+            "replay_rescued_groups": self.rescued_groups,
+            "history_status": self.history_status,
+            "history_recorded": self.history_recorded,
             "replay_requested": self.requested,
             "replay_received": self.received,
             "replay_used": self.used,

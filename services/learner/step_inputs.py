@@ -18,11 +18,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import grpc
+
 from rlep.common.dataset import Question
 from rlep.common.types import Trajectory
+from rlep.replay.v1 import replay_pb2
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor
 from rlep.services.learner.metrics import PHASES
+from rlep.services.learner.replay_rules import FreshOutcome, decide
 from rlep.services.learner.scored_trajectories import (
     ReplayReport,
     group_varies,
@@ -89,6 +93,9 @@ class Gathered:
     cursor_state: dict[str, int] = field(default_factory=dict)
     """The data cursor right after this step's draws: what a checkpoint taken after this step resumes from
     (the cursor itself may have moved on, when later steps were gathered ahead)."""
+    outcomes: list[FreshOutcome] = field(default_factory=list)
+    """Every group generated for the step, kept or filtered by dynamic sampling: what the replay service's
+    per-question history is told."""
 
 
 class StepInputs:
@@ -120,6 +127,7 @@ class StepInputs:
             kept.questions_generated += len(last.questions)
             kept.prompts_truncated += last.prompts_truncated
             for question, prompt, fresh in zip(last.questions, last.prompts, last.fresh, strict=True):
+                kept.outcomes.append(FreshOutcome.of(question.question_id, fresh))
                 if dynamic.enabled and not group_varies(fresh, dynamic.metric):
                     kept.groups_filtered += 1
                     continue
@@ -196,17 +204,20 @@ class StepInputs:
         algo, m = self.config.algorithm, self._replay_count()
         if algo.replayed_per_question == 0:
             return {}
-        report.requested = m * len(gathered.questions)
         replayed: dict[str, list[Trajectory]] = {}
         with timer.phase("replay"):
+            offered = self._offered(gathered, report)
+            report.requested = m * len(offered)
             try:
-                sampled = self.services.replay.sample(
-                    self.config.replay_pool,
-                    [q.question_id for q in gathered.questions],
-                    m=m,
-                    strategy=algo.replay_strategy,
-                    seed=step_seed(self.config.seed + 7919, step),
-                )
+                sampled = {}
+                if offered:
+                    sampled = self.services.replay.sample(
+                        self.config.replay_pool,
+                        offered,
+                        m=m,
+                        strategy=algo.replay_strategy,
+                        seed=step_seed(self.config.seed + 7919, step),
+                    )
             except PoolNotFound:
                 report.dropped["pool_missing"] += report.requested
                 sampled = {}
@@ -222,7 +233,11 @@ class StepInputs:
                 outcomes = dict(zip(replayed, verify_groups(self.services.verifier, groups, sources), strict=True))
         replayed = score_replayed(replayed, outcomes, algo, report)
         report.dropped = +report.dropped  # keep only reasons that happened
-        if report.used == 0:
+        fresh_successes = {o.question_id: o.successes for o in gathered.outcomes}
+        report.rescued_groups = sum(bool(rows) and fresh_successes.get(qid) == 0 for qid, rows in replayed.items())
+        if not report.offered:
+            log.info("step %d: the replay rule let replay into no group: %s", step + 1, dict(report.skipped))
+        elif report.used == 0:
             message = (
                 f"replay is on (M={algo.replayed_per_question}) but step {step + 1} got no replayed answer from pool "
                 f"{self.config.replay_pool!r}: {dict(report.dropped) or 'nothing returned'}"
@@ -231,3 +246,78 @@ class StepInputs:
                 raise ReplayMissingError(message)
             log.warning(message)
         return replayed
+
+    def _offered(self, gathered: Gathered, report: ReplayReport) -> list[str]:
+        """The step's questions the replay rule lets replay into (all of them under `always`, as before rules)."""
+        rule = self.config.algorithm.replay_rule
+        ids = [q.question_id for q in gathered.questions]
+        if rule.when == "always" and rule.retire_pass_rate is None:
+            report.offered = len(ids)
+            return ids
+        histories = {}
+        if rule.needs_history:
+            try:
+                found = self.services.replay.question_stats(self.config.replay_pool, question_ids=ids).questions
+                histories = {h.question_id: h for h in found}
+            except PoolNotFound:
+                pass  # counted by the Sample call that follows
+        by_id = {o.question_id: o for o in gathered.outcomes}
+        decision = decide(rule, [by_id[qid] for qid in ids], histories)
+        report.offered, report.skipped = len(decision.offered), decision.skipped
+        return decision.offered
+
+    def report_outcomes(
+        self,
+        run: str,
+        step_number: int,
+        gathered: Gathered,
+        replayed: dict[str, list[Trajectory]],
+        report: ReplayReport,
+    ) -> None:
+        """Tells the replay service's per-question history what step `step_number` (1-based, as its record) of `run`
+        saw: every generated group's fresh outcome, with the replayed rows it got. Never fails the step: what
+        happened goes to `report` (and a warning where it did not record)."""
+        algo = self.config.algorithm
+        replay_on = algo.replayed_per_question > 0 or algo.online_replay  # a baseline (M=0) has no pool to tell
+        outcomes = merged_outcomes(gathered.outcomes, replayed)
+        if self.services.replay is None or not algo.replay_rule.report_outcomes or not replay_on or not outcomes:
+            return
+        try:
+            reply = self.services.replay.report_outcomes(
+                self.config.replay_pool,
+                run,
+                step_number,
+                max(o.policy_version for o in gathered.outcomes),
+                outcomes,
+            )
+        except PoolNotFound:
+            report.history_status, report.history_recorded = "pool_missing", 0
+        except grpc.RpcError as err:
+            report.history_status, report.history_recorded = f"failed: {err.code().name}", 0
+        else:
+            report.history_status = "duplicate" if reply.duplicate else "recorded"
+            report.history_recorded = reply.recorded
+        if report.history_status not in ("recorded", "duplicate"):
+            log.warning(
+                "step %d: per-question history not recorded in pool %r (%s)",
+                step_number, self.config.replay_pool, report.history_status,
+            )  # fmt: skip
+
+
+def merged_outcomes(
+    outcomes: list[FreshOutcome], replayed: dict[str, list[Trajectory]]
+) -> list[replay_pb2.QuestionOutcome]:
+    """One `QuestionOutcome` per question (a question drawn twice in a step, in two rounds, counts once, summed)."""
+    merged: dict[str, replay_pb2.QuestionOutcome] = {}
+    for o in outcomes:
+        if not o.attempts:
+            continue
+        into = merged.setdefault(o.question_id, replay_pb2.QuestionOutcome(question_id=o.question_id))
+        reward_sum = into.mean_reward * into.attempts + o.mean_reward * o.attempts
+        into.attempts += o.attempts
+        into.successes += o.successes
+        into.mean_reward = reward_sum / into.attempts
+    for qid, into in merged.items():
+        into.replayed = len(replayed.get(qid, ()))
+        into.rescued = into.replayed > 0 and into.successes == 0
+    return list(merged.values())

@@ -33,9 +33,12 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +120,12 @@ class Trainer:
                 "" if algo.correction == "truncated_is" else " (uncorrected staleness cost 0.08 accuracy on the demo)",
             )
         self._trained_cursor: dict[str, int] | None = None  # the cursor after the last trained step's draws
+        # The name this run reports to the replay service's per-question history under: the run id and a nonce, kept
+        # in checkpoints, so a resumed run's steps reported before the crash are not counted twice, and another run
+        # with the same run_id on the same pool is not taken for a retry of this one.
+        self.history_run = f"{re.sub(r'[^A-Za-z0-9_.:/-]', '_', config.run_id)[:119]}:{uuid.uuid4().hex[:8]}"
+        # The step's history report is sent while its weights are pushed (`train_step`).
+        self._reporting = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="history-report")
         self.log_path = config.log_file or (config.checkpoint.dir / "log.jsonl" if config.checkpoint.dir else None)
 
     # -- start, resume, weights --------------------------------------------------------------
@@ -129,6 +138,7 @@ class Trainer:
             state = self.policy.load_checkpoint(ckpt)
             self.step = int(state["step"])
             self.cursor.restore(state["cursor"])
+            self.history_run = state.get("history_run", self.history_run)  # checkpoints from before it: a new one
             random.setstate(_tuple_state(state["python_rng"]))
             np.random.set_state(_tuple_state(state["numpy_rng"]))
             torch.set_rng_state(state["torch_rng"])
@@ -150,7 +160,8 @@ class Trainer:
         self.push_weights()
         if self.step == 0 and self.eval_questions and self.config.eval.every_steps:
             # Where the run starts from: step 0 of the accuracy curve.
-            self._publish(EvalRecord(step=0, policy_version=self.version, eval_accuracy=self.evaluate()))
+            accuracy, correct = self.evaluate()
+            self._publish(EvalRecord(step=0, policy_version=self.version, eval_accuracy=accuracy, eval_correct=correct))
 
     def sync_rollout(self) -> None:
         """Brings replicas that (re)joined since the last push to our version before they serve again."""
@@ -178,6 +189,7 @@ class Trainer:
         """Stops generating ahead (a gather already running finishes first)."""
         if self._ahead is not None:
             self._ahead.close()
+        self._reporting.shutdown()
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -219,17 +231,21 @@ class Trainer:
             stats = self.policy.update(batch, algo.mini_batch_size)
         with timer.phase("weight_push"):
             self.version += 1
+            # A report is idempotent and needs nothing of the push: sent meanwhile, it adds no time to the step.
+            args = (self.history_run, self.step + 1, gathered, replayed, replay)
+            reported = self._reporting.submit(self.inputs.report_outcomes, *args)
             self.push_weights()
+            reported.result()
         if algo.online_replay:
             self._add_successes(gathered.fresh)
         self.step += 1
         self._trained_cursor = gathered.cursor_state
         seconds = time.perf_counter() - started  # the evaluation below is not part of the step's time
-        eval_accuracy = None
+        eval_accuracy, eval_correct = None, None
         if self.eval_questions and self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
-            eval_accuracy = self.evaluate()
+            eval_accuracy, eval_correct = self.evaluate()
         record = self._record(gathered, replay, batch, stats, timer, seconds, eval_accuracy, staleness, stale_groups)
-        record = dataclasses.replace(record, **figures)
+        record = dataclasses.replace(record, **figures, eval_correct=eval_correct)
         self._publish(record)
         self._log_generations(gathered, groups)
         ckpt = self.config.checkpoint
@@ -276,8 +292,9 @@ class Trainer:
             self.services.replay.add(self.config.replay_pool, successes)
 
     # -- evaluation, logging, checkpoints ----------------------------------------------------
-    def evaluate(self) -> float:
-        """Accuracy of the served policy (this step's weights) on the held-out questions."""
+    def evaluate(self) -> tuple[float, list[int]]:
+        """Accuracy of the served policy (this step's weights) on the held-out questions, and its correct samples per
+        question (in the evaluation set's order)."""
         cfg = self.config.eval
         questions = self.eval_questions[: cfg.max_questions]
         completions = self.services.rollout.generate(
@@ -291,8 +308,8 @@ class Trainer:
         )
         groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)]
         verified = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
-        outcomes = [o for group in verified for o in group]
-        return sum(o.verdict == Verdict.CORRECT for o in outcomes) / max(1, len(outcomes))
+        correct = [sum(o.verdict == Verdict.CORRECT for o in group) for group in verified]
+        return sum(correct) / max(1, sum(len(group) for group in verified)), correct
 
     def _record(
         self,
@@ -379,6 +396,7 @@ class Trainer:
             "step": self.step,
             "policy_version": self.version,
             "cursor": self._trained_cursor or self.cursor.state(),
+            "history_run": self.history_run,
             "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),

@@ -92,13 +92,58 @@ class ReplayClient:
             min_policy_version=min_policy_version,
             trajectories_as_bytes=True,
         )
+        reply = self._not_found_as_pool_not_found(pool, self.stub.Sample, request)
+        return {s.question_id: sampled_trajectories(s) for s in reply.samples}
+
+    def report_outcomes(
+        self,
+        pool: str,
+        run_id: str,
+        step: int,
+        policy_version: int,
+        outcomes: Sequence[replay_pb2.QuestionOutcome],
+        questions: Sequence[replay_pb2.Question] = (),
+    ) -> replay_pb2.ReportOutcomesResponse:
+        """Records one step's fresh outcome per question (one call per step, every question of it).
+
+        Safe to retry: a step at or below the run's last recorded one changes nothing and answers `duplicate`.
+        Raises PoolNotFound when the pool does not exist (a report does not create one).
+        """
+        request = replay_pb2.ReportOutcomesRequest(
+            pool=pool, run_id=run_id, step=step, policy_version=policy_version, outcomes=outcomes, questions=questions
+        )
+        return self._not_found_as_pool_not_found(pool, self.stub.ReportOutcomes, request)
+
+    def question_stats(
+        self,
+        pool: str,
+        question_ids: Sequence[str] = (),
+        filter: int = replay_pb2.QUESTION_FILTER_UNSPECIFIED,
+        min_pass_rate: float = 0.0,
+        max_pass_rate: float = 0.0,
+        limit: int = 0,
+        cursor: str = "",
+    ) -> replay_pb2.GetQuestionStatsResponse:
+        """Histories of the named questions, or one page of those `filter` matches (a `replay_pb2.QuestionFilter`;
+        PASS_RATE_BAND takes [min_pass_rate, max_pass_rate]); pass `next_cursor` back for the next page."""
+        request = replay_pb2.GetQuestionStatsRequest(
+            pool=pool,
+            question_ids=question_ids,
+            filter=filter,
+            min_pass_rate=min_pass_rate,
+            max_pass_rate=max_pass_rate,
+            limit=limit,
+            cursor=cursor,
+        )
+        return self._not_found_as_pool_not_found(pool, self.stub.GetQuestionStats, request)
+
+    def _not_found_as_pool_not_found(self, pool: str, method, request):
         try:
-            reply = self._call(self.stub.Sample, request)
+            return self._call(method, request)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 raise PoolNotFound(pool) from err
             raise
-        return {s.question_id: sampled_trajectories(s) for s in reply.samples}
 
     def stats(self, pool: str) -> replay_pb2.PoolStats:
         return self._call(self.stub.GetPoolStats, replay_pb2.GetPoolStatsRequest(pool=pool))

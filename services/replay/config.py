@@ -47,6 +47,22 @@ class ReplayConfig(StrictModel):
     """Largest number of trajectories in one AddTrajectories call (ImportPool chunks alike)."""
     redis_timeout_s: float = Field(10.0, gt=0)
     """Socket timeout of Redis calls; past it the RPC fails with UNAVAILABLE (retriable)."""
+    history_window: int = Field(8, ge=1, le=64)
+    """Per-question history: visits (reports naming the question) kept in its recent window, whose pass rate
+    GetQuestionStats filters and GetPoolStats buckets by. Fixed for a pool when its history starts."""
+    history_ema_alpha: float = Field(0.25, gt=0, le=1)
+    """Weight of the newest visit's pass rate in a question's EMA pass rate. Fixed for a pool as above."""
+    mastered_pass_rate: float = Field(0.9, gt=0, le=1)
+    """A question is mastered when its recent pass rate is at least this over at least `mastered_min_visits`
+    visits in the window. Fixed for a pool as above (its count is kept as reports land)."""
+    mastered_min_visits: int = Field(4, ge=1, le=64)
+    """See `mastered_pass_rate`; at most `history_window`."""
+    max_outcomes_per_report: int = Field(8192, ge=1, le=65_536)
+    """Most questions in one ReportOutcomes (INVALID_ARGUMENT beyond) or named by one GetQuestionStats. A report
+    is one atomic Lua call, which holds Redis for about 8 us a question (4 ms for 512, ~65 ms at this default)."""
+    max_history_runs: int = Field(10_000, ge=1)
+    """Runs whose last reported step a pool remembers (the duplicate check); past it the run that reported
+    least recently is forgotten, and a retry of its last step would count again."""
 
     @model_validator(mode="after")
     def check_sample_bytes_fit_a_reply(self) -> ReplayConfig:
@@ -56,5 +72,14 @@ class ReplayConfig(StrictModel):
             raise ValueError(
                 f"max_sample_bytes ({self.max_sample_bytes}) must be below the server's send limit "
                 f"({send_limit} bytes, twice server.max_request_bytes)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def check_mastered_fits_the_window(self) -> ReplayConfig:
+        if self.mastered_min_visits > self.history_window:
+            raise ValueError(
+                f"mastered_min_visits ({self.mastered_min_visits}) must be at most history_window "
+                f"({self.history_window}): the window holds the visits it counts"
             )
         return self

@@ -7,6 +7,9 @@ the reply's bytes stay under `max_sample_bytes`; diverse sampling compares at mo
 once the caller has cancelled or its deadline has passed. The checks live in `requests.py`, the
 statistics in `pool_stats.py`, the error mapping in `errors.py`.
 
+ReportOutcomes and GetQuestionStats keep and read each question's history (`history.py`; the checks in
+`requests.py`, the proto conversion in `history_wire.py`); export and import carry it beside the successes.
+
 ImportPool applies each chunk as its own atomic add, so an interrupted import leaves the chunks
 that were applied; adds are idempotent, so running the same import again converges to the pool a
 single run would have built (only eviction order can differ when a question overflows capacity).
@@ -29,14 +32,20 @@ from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.config import ReplayConfig
 from rlep.services.replay.errors import RedisHealth, keep_going_check, status_for_errors
+from rlep.services.replay.history import HistoryStore
+from rlep.services.replay.history_wire import add_history_stats, page_to_proto, record_to_proto
 from rlep.services.replay.pool_stats import PoolStats, pool_stats
+from rlep.services.replay.question_history import HistorySettings
 from rlep.services.replay.requests import (
     check_add,
     check_drop,
+    check_histories,
     check_import_named_a_pool,
     check_pool_name,
     check_priority_updates,
+    check_question_stats,
     check_reply_bytes,
+    check_report,
     check_sample,
     export_chunk_questions,
     import_pool_name,
@@ -97,6 +106,10 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
     def __init__(self, store: RedisReplayStore, config: ReplayConfig, metrics: ReplayMetrics):
         self.store, self.config, self.metrics = store, config, metrics
         self.redis_health = RedisHealth()
+        settings = HistorySettings(
+            config.history_window, config.history_ema_alpha, config.mastered_pass_rate, config.mastered_min_visits
+        )
+        self.history = HistoryStore(store.client, settings, config.max_history_runs)
 
     def _errors(self, context: grpc.ServicerContext, wrote: bool = False):
         return status_for_errors(self.metrics.redis_errors, self.redis_health, context, wrote)
@@ -194,7 +207,26 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         stats = pool_stats(self.store.stats(request.pool))
         self.metrics.pool_trajectories.labels(request.pool).set(stats.trajectories)
         self.metrics.pool_questions.labels(request.pool).set(stats.questions)
-        return pool_stats_to_proto(request.pool, stats)
+        reply = pool_stats_to_proto(request.pool, stats)
+        add_history_stats(reply, self.history.counters(request.pool))
+        return reply
+
+    @rpc(wrote=True)
+    def ReportOutcomes(self, request, context):
+        outcomes = check_report(request, self.config)
+        result = self.history.report(
+            request.pool, request.run_id, request.step, request.policy_version, outcomes, request.questions
+        )
+        return replay_pb2.ReportOutcomesResponse(
+            recorded=result.recorded, duplicate=result.duplicate, last_step=result.last_step
+        )
+
+    @rpc()
+    def GetQuestionStats(self, request, context):
+        query = check_question_stats(request, self.config)
+        if query.question_ids:
+            return page_to_proto(self.history.named(request.pool, query.question_ids))
+        return page_to_proto(self.history.page(request.pool, query))
 
     @rpc()
     def ListPools(self, request, context):
@@ -214,18 +246,40 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         with self._errors(context):
             batch = export_chunk_questions(request)
             keep_going = keep_going_check(context)
+            settings = self.history.counters(request.pool).settings  # NOT_FOUND for an unknown pool
             for questions, payload_lists in self.store.iter_questions(request.pool, batch):
                 keep_going()
                 chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
                 for question, payloads in zip(questions, payload_lists, strict=True):
                     if chunk.questions and size > EXPORT_CHUNK_BYTES:
-                        yield chunk
+                        yield self._with_histories(request.pool, chunk, settings)
                         chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
                     size += len(question) + sum(len(p) for p in payloads)
                     chunk.questions.add().MergeFromString(question)
                     for payload in payloads:
                         chunk.trajectories.add().MergeFromString(payload)
+                yield self._with_histories(request.pool, chunk, settings)
+            # Then the questions with history and no success, with their Question where the pool has one.
+            for metas, records in self.history.iter_history_only(request.pool, batch):
+                keep_going()
+                chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
+                for meta, record in zip(metas, records, strict=True):
+                    if chunk.histories and size > EXPORT_CHUNK_BYTES:
+                        yield chunk
+                        chunk, size = replay_pb2.PoolChunk(pool=request.pool), 0
+                    if meta:
+                        chunk.questions.add().MergeFromString(meta)
+                    chunk.histories.append(record_to_proto(record, settings))
+                    size += len(meta or b"") + chunk.histories[-1].ByteSize()
                 yield chunk
+
+    def _with_histories(
+        self, pool: str, chunk: replay_pb2.PoolChunk, settings: HistorySettings | None
+    ) -> replay_pb2.PoolChunk:
+        """The chunk with the histories of its questions (those that have one)."""
+        records = self.history.records(pool, [q.question_id for q in chunk.questions])
+        chunk.histories.extend(record_to_proto(r, settings) for r in records if r is not None)
+        return chunk
 
     @rpc(wrote=True)
     def ImportPool(self, request_iterator, context):
@@ -236,11 +290,15 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         for chunk in request_iterator:
             keep_going()
             pool = import_pool_name(pool, chunk)
-            if not chunk.questions and not chunk.trajectories:
+            if not chunk.questions and not chunk.trajectories and not chunk.histories:
                 # Naming the pool is no progress: chunks of nothing sent just under the idle timeout would
                 # otherwise hold a stream slot (and a thread) for as long as the client likes.
                 no_progress()
+            records = check_histories(chunk.histories, self.config)  # before the add: a bad chunk stores nothing
             reply = self._add(pool, chunk.trajectories, chunk.questions)
+            imported, kept = self.history.import_records(pool, records)
+            total.histories_imported += imported
+            total.histories_kept += kept
             offset = total.added + total.duplicate + total.rejected
             total.added += reply.added
             total.duplicate += reply.duplicate

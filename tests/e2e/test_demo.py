@@ -61,6 +61,11 @@ def test_demo_writes_table_plot_and_results(demo_run):
         times = [r.step_seconds for r in log if isinstance(r, StepRecord)]
         assert len(times) == config.steps
         assert summary[f"{run}_step_seconds"] == pytest.approx(sum(times) / len(times))
+        # Each evaluation keeps its correct samples per held-out question (issue 49), adding up to its accuracy.
+        evaluations = [r for r in log if r.eval_accuracy is not None]
+        assert [len(r.eval_correct) for r in evaluations] == [config.eval_questions] * (config.steps + 1)
+        for r in evaluations:
+            assert sum(r.eval_correct) == round(r.eval_accuracy * config.eval_questions * config.eval_samples)
 
 
 def test_each_run_logs_its_jsonl_figures_to_tensorboard(demo_run):
@@ -94,6 +99,10 @@ def test_rlep_replays_what_the_baseline_collected(demo_run):
     baseline = [r for r in read_step_log(config.out_dir / "baseline" / "log.jsonl") if isinstance(r, StepRecord)]
     rlep = [r for r in read_step_log(config.out_dir / "rlep" / "log.jsonl") if isinstance(r, StepRecord)]
     assert all(r.replayed_fraction == 0.0 for r in baseline)
+    # Issue 48: the RLEP run tells the pool's history every step's groups; the baseline (M = 0) has no pool to tell.
+    assert all(r.history_status is None for r in baseline)
+    assert [(r.history_status, r.history_recorded) for r in rlep] == [("recorded", r.questions_generated) for r in rlep]
+    assert all(r.replay_offered == config.questions_per_step and not r.replay_skipped for r in rlep)  # `always`
     assert summary["collect"]["questions_kept"] > 0, "the warm-up model should solve some training questions"
     assert any(r.replayed_fraction > 0.0 for r in rlep)
     cap = config.replayed_per_question / (config.fresh_per_question + config.replayed_per_question)

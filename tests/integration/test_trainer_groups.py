@@ -261,3 +261,65 @@ def test_online_replay_stores_this_steps_fresh_successes_only(
     found = replay_client.sample(pool_name, [q.question_id for q in QUESTIONS], m=8, seed=1)
     assert {qid: {t.response_text for t in ts} for qid, ts in found.items()} == expected
     assert all(t.id == trajectory_id(t.question_id, t.response_text) for ts in found.values() for t in ts)
+
+
+def seed_two_successes_each(tokenizer, replay_client, pool_name) -> None:
+    replay_client.add(
+        pool_name,
+        [stored(tokenizer, q, f"{prefix}\\boxed{{{q.ground_truth}}}") for q in QUESTIONS for prefix in ("so ", "")],
+    )
+
+
+@pytest.mark.parametrize(
+    ("rule", "offered", "skipped"),
+    [
+        ({"when": "rescue"}, 0, {"fresh_succeeded": 2}),  # the script gives each group 2 fresh successes of 4
+        ({"when": "rescue", "rescue_max_fresh_successes": 2}, 2, {}),
+        ({"when": "band", "band_low": 0.4, "band_high": 0.6}, 2, {}),  # 2/4 = 0.5, no history yet
+        ({"when": "band", "band_low": 0.6, "band_high": 1.0}, 0, {"out_of_band": 2}),
+    ],
+)
+def test_a_replay_rule_decides_which_groups_get_replay_and_the_history_records_the_step(
+    tokenizer, verifier_client, replay_client, pool_name, rule, offered, skipped
+):
+    """Issue 48 part 2 against the real replay service: the rule's groups get M=2 replayed rows, the others none;
+    the step record says how many were offered and why the rest were not, and the service's history then holds
+    the step's fresh outcome (4 attempts, 2 successes) and the rows replayed into each group."""
+    seed_two_successes_each(tokenizer, replay_client, pool_name)
+    trainer, policy, _ = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=2, replay_rule=rule
+    )
+    record = trainer.train_step()
+    ((batch, _),) = policy.updates
+    assert int(batch.replayed.sum()) == record.replay_used == 2 * offered
+    assert (record.replay_offered, record.replay_skipped, record.replay_requested) == (offered, skipped, 2 * offered)
+    assert (record.history_status, record.history_recorded) == ("recorded", 2)
+    ids = [q.question_id for q in QUESTIONS]
+    histories = replay_client.question_stats(pool_name, question_ids=ids).questions
+    assert sorted(h.question_id for h in histories) == sorted(ids)
+    for h in histories:
+        assert (h.visits, h.attempts, h.successes, h.last_step) == (1, 4, 2, 1)
+        assert (h.times_replayed, h.replayed_rows, h.times_rescued) == (int(offered > 0), 2 if offered else 0, 0)
+
+
+def test_retirement_reads_the_history_an_earlier_run_reported(tokenizer, verifier_client, replay_client, pool_name):
+    """Three earlier visits at 8/8 and this step's 2/4 make 26/28 = 0.93 over 4 visits: retired at 0.9, so no
+    replayed row, and the step says why. A retried report of the same step changes nothing."""
+    seed_two_successes_each(tokenizer, replay_client, pool_name)
+    from rlep.replay.v1 import replay_pb2
+
+    for step in (1, 2, 3):
+        earlier = [replay_pb2.QuestionOutcome(question_id=q.question_id, attempts=8, successes=8) for q in QUESTIONS]
+        replay_client.report_outcomes(pool_name, "earlier-run", step, 0, earlier)
+    retire = {"retire_pass_rate": 0.9, "retire_min_visits": 4}
+    trainer, policy, _ = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=2, replay_rule=retire
+    )
+    record = trainer.train_step()
+    ((batch, _),) = policy.updates
+    assert int(batch.replayed.sum()) == 0
+    assert (record.replay_offered, record.replay_skipped) == (0, {"retired": 2})
+    again = replay_client.report_outcomes(pool_name, trainer.history_run, 1, 1, earlier)
+    assert again.duplicate and again.recorded == 0
+    found = replay_client.question_stats(pool_name, question_ids=[QUESTIONS[0].question_id, "absent"]).questions
+    assert [(h.visits, h.attempts, h.successes) for h in found] == [(4, 28, 26)]

@@ -23,6 +23,9 @@ STEP_KEYS = [
     "rollout_replicas",
     "rollout_failovers",
     "scorer_failures",
+    "replay_offered",
+    "replay_skipped",
+    "replay_rescued_groups",
 ]  # fmt: skip
 
 
@@ -102,3 +105,15 @@ def test_every_gauge_is_a_record_field_and_shows_the_last_record():
     assert registry.get_sample_value("rlep_learner_eval_accuracy") == 0.3
     metrics.record(step_record(step=5, eval_accuracy=0.0))
     assert registry.get_sample_value("rlep_learner_eval_accuracy") == 0.0  # a measured 0 is shown
+
+
+def test_an_evaluation_keeps_its_correct_samples_per_question_and_old_logs_still_read(tmp_path):
+    """Issue 49: each evaluation logs its correct samples per held-out question; a log written before the field (an
+    evaluation line of three keys) still reads back as an evaluation."""
+    evaluated = step_record(eval_accuracy=0.5, eval_correct=[2, 0, 1, 1])
+    initial = EvalRecord(step=0, policy_version=1, eval_accuracy=0.25, eval_correct=[1, 0, 0, 1])
+    assert list(json.loads(format_record(evaluated)))[-2:] == ["eval_accuracy", "eval_correct"]
+    path = tmp_path / "log.jsonl"
+    old_line = json.dumps({"step": 0, "policy_version": 1, "eval_accuracy": 0.25})
+    path.write_text("\n".join([old_line, format_record(initial), format_record(evaluated)]) + "\n")
+    assert read_step_log(path) == [EvalRecord(step=0, policy_version=1, eval_accuracy=0.25), initial, evaluated]

@@ -20,6 +20,7 @@ from rlep.common.dataset import Question
 from rlep.common.policy_info import POLICY_FILE, policy_version_of
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Verdict
+from rlep.replay.v1 import replay_pb2
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.records import read_step_log
 from rlep.services.learner.step_inputs import ServiceClients
@@ -84,10 +85,20 @@ class ScriptedVerifier:
 
 
 class EmptyReplay:
-    """A pool without the step's questions: every step gets no replayed answer (and warns)."""
+    """A pool without the step's questions: every step gets no replayed answer (and warns); its per-question
+    history records every report."""
+
+    def __init__(self):
+        self.reports: list[tuple[int, list]] = []
+        self.report_runs: set[str] = set()
 
     def sample(self, pool, question_ids, m, strategy, seed):
         return {}
+
+    def report_outcomes(self, pool, run_id, step, policy_version, outcomes):
+        self.reports.append((step, list(outcomes)))
+        self.report_runs.add(run_id)
+        return replay_pb2.ReportOutcomesResponse(recorded=len(outcomes), last_step=step)
 
 
 class MemoryPolicy:
@@ -208,6 +219,12 @@ def test_policy_versions_keep_growing_across_a_resume(tokenizer, tmp_path):
     assert logged == [2, 3, 4, 6, 7]  # 5: the resumed run's first push, above the lost step 3's 4
     assert rollout.pushed == [5, 6, 7]
     assert policy.saved["step_4"]["policy_version"] == 7 == policy_version_of(tmp_path / "ckpt" / "step_4" / "hf")
+    # The history hears the resumed steps under the first run's name (steps it reported before would be retries),
+    # and another run with the same run_id under a name of its own.
+    assert first.services.replay.report_runs == resumed.services.replay.report_runs == {first.history_run}
+    assert first.history_run.startswith("bookkeeping:")
+    other = make_trainer(tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path / "other", steps=1, every_steps=2)
+    assert other.history_run != first.history_run
 
 
 class CountingRollout(ScriptedRollout):
@@ -349,3 +366,38 @@ def test_a_tempered_correction_compares_the_processed_view(tokenizer, tmp_path, 
     else:  # untempered: the raw view, no extra forward pass
         assert policy.asked == [] and policy.trained.old_processed_logprobs is None
         assert record.rollout_mismatch_kl > 0.0
+
+
+def test_every_step_reports_its_groups_to_the_replay_history_numbered_as_its_record(tokenizer, tmp_path):
+    """Issue 48: each step tells the replay service every generated group's fresh outcome (attempts G, successes,
+    rows replayed) under the step number its record carries, and the record says what the report did."""
+    trainer = make_trainer(tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path, steps=2, every_steps=10)
+    trainer.start()
+    records = [trainer.train_step() for _ in range(2)]
+    reports = trainer.services.replay.reports
+    assert [step for step, _ in reports] == [r.step for r in records] == [1, 2]
+    for (_, outcomes), record in zip(reports, records, strict=True):
+        assert sorted(o.question_id for o in outcomes) == sorted(record.question_ids)
+        assert {(o.attempts, o.replayed, o.rescued) for o in outcomes} == {(2, 0, False)}  # the pool gave nothing
+        assert all(0 <= o.successes <= o.attempts for o in outcomes)
+        assert (record.history_status, record.history_recorded) == ("recorded", len(outcomes))
+        assert (record.replay_offered, record.replay_skipped) == (2, {})  # `always`: every group offered
+
+
+def test_with_report_outcomes_off_nothing_is_reported_and_the_record_says_nothing(tokenizer, tmp_path):
+    off = {"replay_rule": {"report_outcomes": False}}
+    trainer = make_trainer(tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path, steps=1, algorithm=off)
+    trainer.start()
+    record = trainer.train_step()
+    assert trainer.services.replay.reports == []
+    assert (record.history_status, record.history_recorded) == (None, None)
+    assert "history_status" not in record.to_json()
+
+
+def test_a_baseline_without_replay_reports_nothing(tokenizer, tmp_path):
+    """M = 0: no pool to tell (phase 1 has not collected one yet), so no report and no warning each step."""
+    trainer = make_trainer(
+        tokenizer, MemoryPolicy(), ScriptedRollout(), tmp_path, steps=1, algorithm={"replayed_per_question": 0}
+    )
+    trainer.start()
+    assert trainer.train_step().history_status is None and trainer.services.replay.reports == []

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from rlep.common.v1 import trajectory_pb2 as rlep_dot_common_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlep/replay/v1/replay.proto\x12\x0erlep.replay.v1\x1a\x1frlep/common/v1/trajectory.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x86\x01\n\x08Question\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12+\n\x06prompt\x18\x02 \x03(\x0b\x32\x1b.rlep.replay.v1.ChatMessage\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\x03\"\x85\x01\n\x16\x41\x64\x64TrajectoriesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory\x12+\n\tquestions\x18\x03 \x03(\x0b\x32\x18.rlep.replay.v1.Question\"*\n\tRejection\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8d\x01\n\x17\x41\x64\x64TrajectoriesResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\x05\x12\x11\n\tduplicate\x18\x02 \x01(\x05\x12\x10\n\x08rejected\x18\x03 \x01(\x05\x12-\n\nrejections\x18\x04 \x03(\x0b\x32\x19.rlep.replay.v1.Rejection\x12\x0f\n\x07\x65victed\x18\x05 \x01(\x05\"\xb3\x01\n\rSampleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x14\n\x0cquestion_ids\x18\x02 \x03(\t\x12\t\n\x01m\x18\x03 \x01(\x05\x12*\n\x08strategy\x18\x04 \x01(\x0e\x32\x18.rlep.replay.v1.Strategy\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x1d\n\x15trajectories_as_bytes\x18\x07 \x01(\x08\"\x84\x01\n\x0eQuestionSample\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory\x12\x11\n\tavailable\x18\x03 \x01(\x05\x12\x18\n\x10trajectory_bytes\x18\x04 \x03(\x0c\"Z\n\x0eSampleResponse\x12/\n\x07samples\x18\x01 \x03(\x0b\x32\x1e.rlep.replay.v1.QuestionSample\x12\x17\n\x0fshort_questions\x18\x02 \x01(\x05\"N\n\x0ePriorityUpdate\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x01\"X\n\x17UpdatePrioritiesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12/\n\x07updates\x18\x02 \x03(\x0b\x32\x1e.rlep.replay.v1.PriorityUpdate\"<\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07updated\x18\x01 \x01(\x05\x12\x0f\n\x07missing\x18\x02 \x01(\x05\"#\n\x13GetPoolStatsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"+\n\x0b\x43ountBucket\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\x9b\x03\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tquestions\x18\x02 \x01(\x03\x12\x14\n\x0ctrajectories\x18\x03 \x01(\x03\x12;\n\x16successes_per_question\x18\x04 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x1c\n\x14mean_response_tokens\x18\x05 \x01(\x01\x12\x1b\n\x13std_response_tokens\x18\x06 \x01(\x01\x12=\n\x18response_token_histogram\x18\x07 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x37\n\x12per_policy_version\x18\x08 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x12\x1f\n\x17redis_used_memory_bytes\x18\n \x01(\x03\x12\x1d\n\x15\x63\x61pacity_per_question\x18\x0b \x01(\x05\x12\x10\n\x08\x65viction\x18\x0c \x01(\t\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t\"0\n\x0f\x44ropPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63onfirm\x18\x02 \x01(\t\"0\n\x10\x44ropPoolResponse\x12\x1c\n\x14\x64\x65leted_trajectories\x18\x01 \x01(\x03\">\n\x11\x45xportPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x1b\n\x13questions_per_chunk\x18\x02 \x01(\x05\"x\n\tPoolChunk\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12+\n\tquestions\x18\x02 \x03(\x0b\x32\x18.rlep.replay.v1.Question\x12\x30\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory*\\\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x0b\n\x07UNIFORM\x10\x01\x12\x0b\n\x07RECENCY\x10\x02\x12\x0f\n\x0bPRIORITIZED\x10\x03\x12\x0b\n\x07\x44IVERSE\x10\x04\x32\xb5\x05\n\x0cReplayBuffer\x12\x62\n\x0f\x41\x64\x64Trajectories\x12&.rlep.replay.v1.AddTrajectoriesRequest\x1a\'.rlep.replay.v1.AddTrajectoriesResponse\x12G\n\x06Sample\x12\x1d.rlep.replay.v1.SampleRequest\x1a\x1e.rlep.replay.v1.SampleResponse\x12\x65\n\x10UpdatePriorities\x12\'.rlep.replay.v1.UpdatePrioritiesRequest\x1a(.rlep.replay.v1.UpdatePrioritiesResponse\x12N\n\x0cGetPoolStats\x12#.rlep.replay.v1.GetPoolStatsRequest\x1a\x19.rlep.replay.v1.PoolStats\x12P\n\tListPools\x12 .rlep.replay.v1.ListPoolsRequest\x1a!.rlep.replay.v1.ListPoolsResponse\x12M\n\x08\x44ropPool\x12\x1f.rlep.replay.v1.DropPoolRequest\x1a .rlep.replay.v1.DropPoolResponse\x12L\n\nExportPool\x12!.rlep.replay.v1.ExportPoolRequest\x1a\x19.rlep.replay.v1.PoolChunk0\x01\x12R\n\nImportPool\x12\x19.rlep.replay.v1.PoolChunk\x1a\'.rlep.replay.v1.AddTrajectoriesResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brlep/replay/v1/replay.proto\x12\x0erlep.replay.v1\x1a\x1frlep/common/v1/trajectory.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x86\x01\n\x08Question\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12+\n\x06prompt\x18\x02 \x03(\x0b\x32\x1b.rlep.replay.v1.ChatMessage\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\x03\"\x85\x01\n\x16\x41\x64\x64TrajectoriesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory\x12+\n\tquestions\x18\x03 \x03(\x0b\x32\x18.rlep.replay.v1.Question\"*\n\tRejection\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc1\x01\n\x17\x41\x64\x64TrajectoriesResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x01(\x05\x12\x11\n\tduplicate\x18\x02 \x01(\x05\x12\x10\n\x08rejected\x18\x03 \x01(\x05\x12-\n\nrejections\x18\x04 \x03(\x0b\x32\x19.rlep.replay.v1.Rejection\x12\x0f\n\x07\x65victed\x18\x05 \x01(\x05\x12\x1a\n\x12histories_imported\x18\x06 \x01(\x05\x12\x16\n\x0ehistories_kept\x18\x07 \x01(\x05\"\xb3\x01\n\rSampleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x14\n\x0cquestion_ids\x18\x02 \x03(\t\x12\t\n\x01m\x18\x03 \x01(\x05\x12*\n\x08strategy\x18\x04 \x01(\x0e\x32\x18.rlep.replay.v1.Strategy\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x1d\n\x15trajectories_as_bytes\x18\x07 \x01(\x08\"\x84\x01\n\x0eQuestionSample\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory\x12\x11\n\tavailable\x18\x03 \x01(\x05\x12\x18\n\x10trajectory_bytes\x18\x04 \x03(\x0c\"Z\n\x0eSampleResponse\x12/\n\x07samples\x18\x01 \x03(\x0b\x32\x1e.rlep.replay.v1.QuestionSample\x12\x17\n\x0fshort_questions\x18\x02 \x01(\x05\"N\n\x0ePriorityUpdate\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x01\"X\n\x17UpdatePrioritiesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12/\n\x07updates\x18\x02 \x03(\x0b\x32\x1e.rlep.replay.v1.PriorityUpdate\"<\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07updated\x18\x01 \x01(\x05\x12\x0f\n\x07missing\x18\x02 \x01(\x05\"#\n\x13GetPoolStatsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"+\n\x0b\x43ountBucket\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\xad\x05\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tquestions\x18\x02 \x01(\x03\x12\x14\n\x0ctrajectories\x18\x03 \x01(\x03\x12;\n\x16successes_per_question\x18\x04 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x1c\n\x14mean_response_tokens\x18\x05 \x01(\x01\x12\x1b\n\x13std_response_tokens\x18\x06 \x01(\x01\x12=\n\x18response_token_histogram\x18\x07 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x37\n\x12per_policy_version\x18\x08 \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x12\x1f\n\x17redis_used_memory_bytes\x18\n \x01(\x03\x12\x1d\n\x15\x63\x61pacity_per_question\x18\x0b \x01(\x05\x12\x10\n\x08\x65viction\x18\x0c \x01(\t\x12\x1e\n\x16questions_with_history\x18\r \x01(\x03\x12\x38\n\x13pass_rate_histogram\x18\x0e \x03(\x0b\x32\x1b.rlep.replay.v1.CountBucket\x12\x0f\n\x07rescues\x18\x0f \x01(\x03\x12\x1a\n\x12mastered_questions\x18\x10 \x01(\x03\x12\x1e\n\x16never_solved_questions\x18\x11 \x01(\x03\x12\x17\n\x0fhistory_reports\x18\x12 \x01(\x03\x12\x15\n\rreplayed_rows\x18\x13 \x01(\x03\x12\x39\n\x10history_settings\x18\x14 \x01(\x0b\x32\x1f.rlep.replay.v1.HistorySettings\"m\n\x0fHistorySettings\x12\x0e\n\x06window\x18\x01 \x01(\x05\x12\x11\n\tema_alpha\x18\x02 \x01(\x01\x12\x1a\n\x12mastered_pass_rate\x18\x03 \x01(\x01\x12\x1b\n\x13mastered_min_visits\x18\x04 \x01(\x05\"\x12\n\x10ListPoolsRequest\"\"\n\x11ListPoolsResponse\x12\r\n\x05pools\x18\x01 \x03(\t\"0\n\x0f\x44ropPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x63onfirm\x18\x02 \x01(\t\"0\n\x10\x44ropPoolResponse\x12\x1c\n\x14\x64\x65leted_trajectories\x18\x01 \x01(\x03\">\n\x11\x45xportPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x1b\n\x13questions_per_chunk\x18\x02 \x01(\x05\"\xac\x01\n\tPoolChunk\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12+\n\tquestions\x18\x02 \x03(\x0b\x32\x18.rlep.replay.v1.Question\x12\x30\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x1a.rlep.common.v1.Trajectory\x12\x32\n\thistories\x18\x04 \x03(\x0b\x32\x1f.rlep.replay.v1.QuestionHistory\"\x83\x01\n\x0fQuestionOutcome\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x02 \x01(\x05\x12\x11\n\tsuccesses\x18\x03 \x01(\x05\x12\x13\n\x0bmean_reward\x18\x04 \x01(\x01\x12\x10\n\x08replayed\x18\x05 \x01(\x05\x12\x0f\n\x07rescued\x18\x06 \x01(\x08\"\xbb\x01\n\x15ReportOutcomesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x31\n\x08outcomes\x18\x05 \x03(\x0b\x32\x1f.rlep.replay.v1.QuestionOutcome\x12+\n\tquestions\x18\x06 \x03(\x0b\x32\x18.rlep.replay.v1.Question\"P\n\x16ReportOutcomesResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x05\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x11\n\tlast_step\x18\x03 \x01(\x03\"\xba\x01\n\x17GetQuestionStatsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x14\n\x0cquestion_ids\x18\x02 \x03(\t\x12.\n\x06\x66ilter\x18\x03 \x01(\x0e\x32\x1e.rlep.replay.v1.QuestionFilter\x12\x15\n\rmin_pass_rate\x18\x04 \x01(\x01\x12\x15\n\rmax_pass_rate\x18\x05 \x01(\x01\x12\r\n\x05limit\x18\x06 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x07 \x01(\t\"\xa0\x03\n\x0fQuestionHistory\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x0e\n\x06visits\x18\x02 \x01(\x03\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x03\x12\x11\n\tsuccesses\x18\x04 \x01(\x03\x12\x12\n\nreward_sum\x18\x05 \x01(\x01\x12\x17\n\x0fwindow_attempts\x18\x06 \x03(\x05\x12\x18\n\x10window_successes\x18\x07 \x03(\x05\x12\x11\n\tpass_rate\x18\x08 \x01(\x01\x12\x15\n\rema_pass_rate\x18\t \x01(\x01\x12\x12\n\nfirst_step\x18\n \x01(\x03\x12\x11\n\tlast_step\x18\x0b \x01(\x03\x12\x1c\n\x14\x66irst_policy_version\x18\x0c \x01(\x03\x12\x1b\n\x13last_policy_version\x18\r \x01(\x03\x12\x16\n\x0etimes_replayed\x18\x0e \x01(\x03\x12\x15\n\rreplayed_rows\x18\x0f \x01(\x03\x12\x15\n\rtimes_rescued\x18\x10 \x01(\x03\x12\x18\n\x10last_solved_step\x18\x11 \x01(\x03\x12\x10\n\x08mastered\x18\x12 \x01(\x08\"u\n\x18GetQuestionStatsResponse\x12\x32\n\tquestions\x18\x01 \x03(\x0b\x32\x1f.rlep.replay.v1.QuestionHistory\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\x12\x10\n\x08matching\x18\x03 \x01(\x03*\\\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x0b\n\x07UNIFORM\x10\x01\x12\x0b\n\x07RECENCY\x10\x02\x12\x0f\n\x0bPRIORITIZED\x10\x03\x12\x0b\n\x07\x44IVERSE\x10\x04*e\n\x0eQuestionFilter\x12\x1f\n\x1bQUESTION_FILTER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePASS_RATE_BAND\x10\x01\x12\x10\n\x0cNEVER_SOLVED\x10\x02\x12\x0c\n\x08MASTERED\x10\x03\x32\xfd\x06\n\x0cReplayBuffer\x12\x62\n\x0f\x41\x64\x64Trajectories\x12&.rlep.replay.v1.AddTrajectoriesRequest\x1a\'.rlep.replay.v1.AddTrajectoriesResponse\x12G\n\x06Sample\x12\x1d.rlep.replay.v1.SampleRequest\x1a\x1e.rlep.replay.v1.SampleResponse\x12\x65\n\x10UpdatePriorities\x12\'.rlep.replay.v1.UpdatePrioritiesRequest\x1a(.rlep.replay.v1.UpdatePrioritiesResponse\x12N\n\x0cGetPoolStats\x12#.rlep.replay.v1.GetPoolStatsRequest\x1a\x19.rlep.replay.v1.PoolStats\x12P\n\tListPools\x12 .rlep.replay.v1.ListPoolsRequest\x1a!.rlep.replay.v1.ListPoolsResponse\x12M\n\x08\x44ropPool\x12\x1f.rlep.replay.v1.DropPoolRequest\x1a .rlep.replay.v1.DropPoolResponse\x12L\n\nExportPool\x12!.rlep.replay.v1.ExportPoolRequest\x1a\x19.rlep.replay.v1.PoolChunk0\x01\x12R\n\nImportPool\x12\x19.rlep.replay.v1.PoolChunk\x1a\'.rlep.replay.v1.AddTrajectoriesResponse(\x01\x12_\n\x0eReportOutcomes\x12%.rlep.replay.v1.ReportOutcomesRequest\x1a&.rlep.replay.v1.ReportOutcomesResponse\x12\x65\n\x10GetQuestionStats\x12\'.rlep.replay.v1.GetQuestionStatsRequest\x1a(.rlep.replay.v1.GetQuestionStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlep.replay.v1.replay_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STRATEGY']._serialized_start=2066
-  _globals['_STRATEGY']._serialized_end=2158
+  _globals['_STRATEGY']._serialized_start=3689
+  _globals['_STRATEGY']._serialized_end=3781
+  _globals['_QUESTIONFILTER']._serialized_start=3783
+  _globals['_QUESTIONFILTER']._serialized_end=3884
   _globals['_CHATMESSAGE']._serialized_start=80
   _globals['_CHATMESSAGE']._serialized_end=124
   _globals['_QUESTION']._serialized_start=127
@@ -43,37 +45,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REJECTION']._serialized_start=399
   _globals['_REJECTION']._serialized_end=441
   _globals['_ADDTRAJECTORIESRESPONSE']._serialized_start=444
-  _globals['_ADDTRAJECTORIESRESPONSE']._serialized_end=585
-  _globals['_SAMPLEREQUEST']._serialized_start=588
-  _globals['_SAMPLEREQUEST']._serialized_end=767
-  _globals['_QUESTIONSAMPLE']._serialized_start=770
-  _globals['_QUESTIONSAMPLE']._serialized_end=902
-  _globals['_SAMPLERESPONSE']._serialized_start=904
-  _globals['_SAMPLERESPONSE']._serialized_end=994
-  _globals['_PRIORITYUPDATE']._serialized_start=996
-  _globals['_PRIORITYUPDATE']._serialized_end=1074
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1076
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1164
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1166
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1226
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1228
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1263
-  _globals['_COUNTBUCKET']._serialized_start=1265
-  _globals['_COUNTBUCKET']._serialized_end=1308
-  _globals['_POOLSTATS']._serialized_start=1311
-  _globals['_POOLSTATS']._serialized_end=1722
-  _globals['_LISTPOOLSREQUEST']._serialized_start=1724
-  _globals['_LISTPOOLSREQUEST']._serialized_end=1742
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=1744
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1778
-  _globals['_DROPPOOLREQUEST']._serialized_start=1780
-  _globals['_DROPPOOLREQUEST']._serialized_end=1828
-  _globals['_DROPPOOLRESPONSE']._serialized_start=1830
-  _globals['_DROPPOOLRESPONSE']._serialized_end=1878
-  _globals['_EXPORTPOOLREQUEST']._serialized_start=1880
-  _globals['_EXPORTPOOLREQUEST']._serialized_end=1942
-  _globals['_POOLCHUNK']._serialized_start=1944
-  _globals['_POOLCHUNK']._serialized_end=2064
-  _globals['_REPLAYBUFFER']._serialized_start=2161
-  _globals['_REPLAYBUFFER']._serialized_end=2854
+  _globals['_ADDTRAJECTORIESRESPONSE']._serialized_end=637
+  _globals['_SAMPLEREQUEST']._serialized_start=640
+  _globals['_SAMPLEREQUEST']._serialized_end=819
+  _globals['_QUESTIONSAMPLE']._serialized_start=822
+  _globals['_QUESTIONSAMPLE']._serialized_end=954
+  _globals['_SAMPLERESPONSE']._serialized_start=956
+  _globals['_SAMPLERESPONSE']._serialized_end=1046
+  _globals['_PRIORITYUPDATE']._serialized_start=1048
+  _globals['_PRIORITYUPDATE']._serialized_end=1126
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1128
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1216
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1218
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1278
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1280
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1315
+  _globals['_COUNTBUCKET']._serialized_start=1317
+  _globals['_COUNTBUCKET']._serialized_end=1360
+  _globals['_POOLSTATS']._serialized_start=1363
+  _globals['_POOLSTATS']._serialized_end=2048
+  _globals['_HISTORYSETTINGS']._serialized_start=2050
+  _globals['_HISTORYSETTINGS']._serialized_end=2159
+  _globals['_LISTPOOLSREQUEST']._serialized_start=2161
+  _globals['_LISTPOOLSREQUEST']._serialized_end=2179
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=2181
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=2215
+  _globals['_DROPPOOLREQUEST']._serialized_start=2217
+  _globals['_DROPPOOLREQUEST']._serialized_end=2265
+  _globals['_DROPPOOLRESPONSE']._serialized_start=2267
+  _globals['_DROPPOOLRESPONSE']._serialized_end=2315
+  _globals['_EXPORTPOOLREQUEST']._serialized_start=2317
+  _globals['_EXPORTPOOLREQUEST']._serialized_end=2379
+  _globals['_POOLCHUNK']._serialized_start=2382
+  _globals['_POOLCHUNK']._serialized_end=2554
+  _globals['_QUESTIONOUTCOME']._serialized_start=2557
+  _globals['_QUESTIONOUTCOME']._serialized_end=2688
+  _globals['_REPORTOUTCOMESREQUEST']._serialized_start=2691
+  _globals['_REPORTOUTCOMESREQUEST']._serialized_end=2878
+  _globals['_REPORTOUTCOMESRESPONSE']._serialized_start=2880
+  _globals['_REPORTOUTCOMESRESPONSE']._serialized_end=2960
+  _globals['_GETQUESTIONSTATSREQUEST']._serialized_start=2963
+  _globals['_GETQUESTIONSTATSREQUEST']._serialized_end=3149
+  _globals['_QUESTIONHISTORY']._serialized_start=3152
+  _globals['_QUESTIONHISTORY']._serialized_end=3568
+  _globals['_GETQUESTIONSTATSRESPONSE']._serialized_start=3570
+  _globals['_GETQUESTIONSTATSRESPONSE']._serialized_end=3687
+  _globals['_REPLAYBUFFER']._serialized_start=3887
+  _globals['_REPLAYBUFFER']._serialized_end=4780
 # @@protoc_insertion_point(module_scope)

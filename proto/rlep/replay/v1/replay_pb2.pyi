@@ -15,11 +15,22 @@ class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECENCY: _ClassVar[Strategy]
     PRIORITIZED: _ClassVar[Strategy]
     DIVERSE: _ClassVar[Strategy]
+
+class QuestionFilter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUESTION_FILTER_UNSPECIFIED: _ClassVar[QuestionFilter]
+    PASS_RATE_BAND: _ClassVar[QuestionFilter]
+    NEVER_SOLVED: _ClassVar[QuestionFilter]
+    MASTERED: _ClassVar[QuestionFilter]
 STRATEGY_UNSPECIFIED: Strategy
 UNIFORM: Strategy
 RECENCY: Strategy
 PRIORITIZED: Strategy
 DIVERSE: Strategy
+QUESTION_FILTER_UNSPECIFIED: QuestionFilter
+PASS_RATE_BAND: QuestionFilter
+NEVER_SOLVED: QuestionFilter
+MASTERED: QuestionFilter
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -62,18 +73,22 @@ class Rejection(_message.Message):
     def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AddTrajectoriesResponse(_message.Message):
-    __slots__ = ("added", "duplicate", "rejected", "rejections", "evicted")
+    __slots__ = ("added", "duplicate", "rejected", "rejections", "evicted", "histories_imported", "histories_kept")
     ADDED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    HISTORIES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    HISTORIES_KEPT_FIELD_NUMBER: _ClassVar[int]
     added: int
     duplicate: int
     rejected: int
     rejections: _containers.RepeatedCompositeFieldContainer[Rejection]
     evicted: int
-    def __init__(self, added: _Optional[int] = ..., duplicate: _Optional[int] = ..., rejected: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., evicted: _Optional[int] = ...) -> None: ...
+    histories_imported: int
+    histories_kept: int
+    def __init__(self, added: _Optional[int] = ..., duplicate: _Optional[int] = ..., rejected: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., evicted: _Optional[int] = ..., histories_imported: _Optional[int] = ..., histories_kept: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("pool", "question_ids", "m", "strategy", "seed", "min_policy_version", "trajectories_as_bytes")
@@ -154,7 +169,7 @@ class CountBucket(_message.Message):
     def __init__(self, label: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "questions", "trajectories", "successes_per_question", "mean_response_tokens", "std_response_tokens", "response_token_histogram", "per_policy_version", "payload_bytes", "redis_used_memory_bytes", "capacity_per_question", "eviction")
+    __slots__ = ("pool", "questions", "trajectories", "successes_per_question", "mean_response_tokens", "std_response_tokens", "response_token_histogram", "per_policy_version", "payload_bytes", "redis_used_memory_bytes", "capacity_per_question", "eviction", "questions_with_history", "pass_rate_histogram", "rescues", "mastered_questions", "never_solved_questions", "history_reports", "replayed_rows", "history_settings")
     POOL_FIELD_NUMBER: _ClassVar[int]
     QUESTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +182,14 @@ class PoolStats(_message.Message):
     REDIS_USED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PER_QUESTION_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
+    QUESTIONS_WITH_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    RESCUES_FIELD_NUMBER: _ClassVar[int]
+    MASTERED_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEVER_SOLVED_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_SETTINGS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     questions: int
     trajectories: int
@@ -179,7 +202,27 @@ class PoolStats(_message.Message):
     redis_used_memory_bytes: int
     capacity_per_question: int
     eviction: str
-    def __init__(self, pool: _Optional[str] = ..., questions: _Optional[int] = ..., trajectories: _Optional[int] = ..., successes_per_question: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., mean_response_tokens: _Optional[float] = ..., std_response_tokens: _Optional[float] = ..., response_token_histogram: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., per_policy_version: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., redis_used_memory_bytes: _Optional[int] = ..., capacity_per_question: _Optional[int] = ..., eviction: _Optional[str] = ...) -> None: ...
+    questions_with_history: int
+    pass_rate_histogram: _containers.RepeatedCompositeFieldContainer[CountBucket]
+    rescues: int
+    mastered_questions: int
+    never_solved_questions: int
+    history_reports: int
+    replayed_rows: int
+    history_settings: HistorySettings
+    def __init__(self, pool: _Optional[str] = ..., questions: _Optional[int] = ..., trajectories: _Optional[int] = ..., successes_per_question: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., mean_response_tokens: _Optional[float] = ..., std_response_tokens: _Optional[float] = ..., response_token_histogram: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., per_policy_version: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., redis_used_memory_bytes: _Optional[int] = ..., capacity_per_question: _Optional[int] = ..., eviction: _Optional[str] = ..., questions_with_history: _Optional[int] = ..., pass_rate_histogram: _Optional[_Iterable[_Union[CountBucket, _Mapping]]] = ..., rescues: _Optional[int] = ..., mastered_questions: _Optional[int] = ..., never_solved_questions: _Optional[int] = ..., history_reports: _Optional[int] = ..., replayed_rows: _Optional[int] = ..., history_settings: _Optional[_Union[HistorySettings, _Mapping]] = ...) -> None: ...
+
+class HistorySettings(_message.Message):
+    __slots__ = ("window", "ema_alpha", "mastered_pass_rate", "mastered_min_visits")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EMA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MASTERED_PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    MASTERED_MIN_VISITS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    ema_alpha: float
+    mastered_pass_rate: float
+    mastered_min_visits: int
+    def __init__(self, window: _Optional[int] = ..., ema_alpha: _Optional[float] = ..., mastered_pass_rate: _Optional[float] = ..., mastered_min_visits: _Optional[int] = ...) -> None: ...
 
 class ListPoolsRequest(_message.Message):
     __slots__ = ()
@@ -214,11 +257,123 @@ class ExportPoolRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., questions_per_chunk: _Optional[int] = ...) -> None: ...
 
 class PoolChunk(_message.Message):
-    __slots__ = ("pool", "questions", "trajectories")
+    __slots__ = ("pool", "questions", "trajectories", "histories")
     POOL_FIELD_NUMBER: _ClassVar[int]
     QUESTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    HISTORIES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     questions: _containers.RepeatedCompositeFieldContainer[Question]
     trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
-    def __init__(self, pool: _Optional[str] = ..., questions: _Optional[_Iterable[_Union[Question, _Mapping]]] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ...) -> None: ...
+    histories: _containers.RepeatedCompositeFieldContainer[QuestionHistory]
+    def __init__(self, pool: _Optional[str] = ..., questions: _Optional[_Iterable[_Union[Question, _Mapping]]] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., histories: _Optional[_Iterable[_Union[QuestionHistory, _Mapping]]] = ...) -> None: ...
+
+class QuestionOutcome(_message.Message):
+    __slots__ = ("question_id", "attempts", "successes", "mean_reward", "replayed", "rescued")
+    QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    RESCUED_FIELD_NUMBER: _ClassVar[int]
+    question_id: str
+    attempts: int
+    successes: int
+    mean_reward: float
+    replayed: int
+    rescued: bool
+    def __init__(self, question_id: _Optional[str] = ..., attempts: _Optional[int] = ..., successes: _Optional[int] = ..., mean_reward: _Optional[float] = ..., replayed: _Optional[int] = ..., rescued: _Optional[bool] = ...) -> None: ...
+
+class ReportOutcomesRequest(_message.Message):
+    __slots__ = ("pool", "run_id", "step", "policy_version", "outcomes", "questions")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    run_id: str
+    step: int
+    policy_version: int
+    outcomes: _containers.RepeatedCompositeFieldContainer[QuestionOutcome]
+    questions: _containers.RepeatedCompositeFieldContainer[Question]
+    def __init__(self, pool: _Optional[str] = ..., run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[QuestionOutcome, _Mapping]]] = ..., questions: _Optional[_Iterable[_Union[Question, _Mapping]]] = ...) -> None: ...
+
+class ReportOutcomesResponse(_message.Message):
+    __slots__ = ("recorded", "duplicate", "last_step")
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    recorded: int
+    duplicate: bool
+    last_step: int
+    def __init__(self, recorded: _Optional[int] = ..., duplicate: _Optional[bool] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class GetQuestionStatsRequest(_message.Message):
+    __slots__ = ("pool", "question_ids", "filter", "min_pass_rate", "max_pass_rate", "limit", "cursor")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_IDS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    MIN_PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    question_ids: _containers.RepeatedScalarFieldContainer[str]
+    filter: QuestionFilter
+    min_pass_rate: float
+    max_pass_rate: float
+    limit: int
+    cursor: str
+    def __init__(self, pool: _Optional[str] = ..., question_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[QuestionFilter, str]] = ..., min_pass_rate: _Optional[float] = ..., max_pass_rate: _Optional[float] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class QuestionHistory(_message.Message):
+    __slots__ = ("question_id", "visits", "attempts", "successes", "reward_sum", "window_attempts", "window_successes", "pass_rate", "ema_pass_rate", "first_step", "last_step", "first_policy_version", "last_policy_version", "times_replayed", "replayed_rows", "times_rescued", "last_solved_step", "mastered")
+    QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    EMA_PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMES_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_RESCUED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SOLVED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MASTERED_FIELD_NUMBER: _ClassVar[int]
+    question_id: str
+    visits: int
+    attempts: int
+    successes: int
+    reward_sum: float
+    window_attempts: _containers.RepeatedScalarFieldContainer[int]
+    window_successes: _containers.RepeatedScalarFieldContainer[int]
+    pass_rate: float
+    ema_pass_rate: float
+    first_step: int
+    last_step: int
+    first_policy_version: int
+    last_policy_version: int
+    times_replayed: int
+    replayed_rows: int
+    times_rescued: int
+    last_solved_step: int
+    mastered: bool
+    def __init__(self, question_id: _Optional[str] = ..., visits: _Optional[int] = ..., attempts: _Optional[int] = ..., successes: _Optional[int] = ..., reward_sum: _Optional[float] = ..., window_attempts: _Optional[_Iterable[int]] = ..., window_successes: _Optional[_Iterable[int]] = ..., pass_rate: _Optional[float] = ..., ema_pass_rate: _Optional[float] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., first_policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., times_replayed: _Optional[int] = ..., replayed_rows: _Optional[int] = ..., times_rescued: _Optional[int] = ..., last_solved_step: _Optional[int] = ..., mastered: _Optional[bool] = ...) -> None: ...
+
+class GetQuestionStatsResponse(_message.Message):
+    __slots__ = ("questions", "next_cursor", "matching")
+    QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MATCHING_FIELD_NUMBER: _ClassVar[int]
+    questions: _containers.RepeatedCompositeFieldContainer[QuestionHistory]
+    next_cursor: str
+    matching: int
+    def __init__(self, questions: _Optional[_Iterable[_Union[QuestionHistory, _Mapping]]] = ..., next_cursor: _Optional[str] = ..., matching: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,16 @@ class ReplayBufferStub:
                 request_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.PoolChunk.SerializeToString,
                 response_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.AddTrajectoriesResponse.FromString,
                 _registered_method=True)
+        self.ReportOutcomes = channel.unary_unary(
+                '/rlep.replay.v1.ReplayBuffer/ReportOutcomes',
+                request_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesRequest.SerializeToString,
+                response_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesResponse.FromString,
+                _registered_method=True)
+        self.GetQuestionStats = channel.unary_unary(
+                '/rlep.replay.v1.ReplayBuffer/GetQuestionStats',
+                request_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsRequest.SerializeToString,
+                response_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayBufferServicer:
@@ -139,6 +149,25 @@ class ReplayBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportOutcomes(self, request, context):
+        """Records one training step's fresh outcome per question (docs/replay.md, "Per-question history"). A call of
+        its own, not a Sample field: the learner reports after verifying, for every question of the step (those the
+        pool holds no success for too, and with M=0 when it never samples), with what replay did to each group (rows
+        replayed, a rescue), which is known only once Sample has answered; and a retried Sample must count nothing.
+        Idempotent per (run_id, step): a step at or below the run's last recorded step changes nothing and answers
+        duplicate. Atomic: all outcomes are recorded or none. Does not create a pool (NOT_FOUND, as Sample).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQuestionStats(self, request, context):
+        """Per-question history: the named questions, or a page of those matching a filter, by recent pass rate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +210,16 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.ImportPool,
                     request_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.PoolChunk.FromString,
                     response_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.AddTrajectoriesResponse.SerializeToString,
+            ),
+            'ReportOutcomes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportOutcomes,
+                    request_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesRequest.FromString,
+                    response_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesResponse.SerializeToString,
+            ),
+            'GetQuestionStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQuestionStats,
+                    request_deserializer=rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsRequest.FromString,
+                    response_serializer=rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +438,60 @@ class ReplayBuffer:
             '/rlep.replay.v1.ReplayBuffer/ImportPool',
             rlep_dot_replay_dot_v1_dot_replay__pb2.PoolChunk.SerializeToString,
             rlep_dot_replay_dot_v1_dot_replay__pb2.AddTrajectoriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportOutcomes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlep.replay.v1.ReplayBuffer/ReportOutcomes',
+            rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesRequest.SerializeToString,
+            rlep_dot_replay_dot_v1_dot_replay__pb2.ReportOutcomesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQuestionStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlep.replay.v1.ReplayBuffer/GetQuestionStats',
+            rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsRequest.SerializeToString,
+            rlep_dot_replay_dot_v1_dot_replay__pb2.GetQuestionStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
