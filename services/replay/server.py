@@ -32,10 +32,10 @@ from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.services.replay.config import ReplayConfig
 from rlep.services.replay.errors import RedisHealth, keep_going_check, status_for_errors
-from rlep.services.replay.history import HistoryStore
+from rlep.services.replay.history import HistoryCounters, HistoryStore
 from rlep.services.replay.history_wire import add_history_stats, page_to_proto, record_to_proto
 from rlep.services.replay.pool_stats import PoolStats, pool_stats
-from rlep.services.replay.question_history import HistorySettings
+from rlep.services.replay.question_history import HistorySettings, pass_rate_bucket_labels
 from rlep.services.replay.requests import (
     check_add,
     check_drop,
@@ -86,6 +86,26 @@ class ReplayMetrics:
         self.requests = m.counter(  # counted by the server's StatusCountInterceptor
             "rlep_replay_requests_total", "RPCs by method and status code", ["method", "code"]
         )
+        # Per-question history (issue 48), from the pool's counters after each report and at each stats call.
+        self.pool_pass_rate_questions = m.gauge(
+            "rlep_replay_pool_pass_rate_questions",
+            "Questions with history per recent pass-rate bucket, per pool (pass_rate_bucket_labels)",
+            ["pool", "bucket"],
+        )
+        self.pool_mastered_questions = m.gauge(
+            "rlep_replay_pool_mastered_questions", "Questions mastered (see GetQuestionStats), per pool", ["pool"]
+        )
+        self.pool_rescues = m.gauge(
+            "rlep_replay_pool_rescues", "Groups replay rescued (no fresh success), all time, per pool", ["pool"]
+        )
+
+    def show_history(self, pool: str, counters: HistoryCounters) -> None:
+        if counters.settings is None:  # no report yet: no series, rather than zeros nobody measured
+            return
+        for label, count in zip(pass_rate_bucket_labels(), counters.pass_rate_buckets, strict=True):
+            self.pool_pass_rate_questions.labels(pool, label).set(count)
+        self.pool_mastered_questions.labels(pool).set(counters.mastered)
+        self.pool_rescues.labels(pool).set(counters.rescues)
 
 
 def rpc(wrote: bool = False):
@@ -208,7 +228,9 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         self.metrics.pool_trajectories.labels(request.pool).set(stats.trajectories)
         self.metrics.pool_questions.labels(request.pool).set(stats.questions)
         reply = pool_stats_to_proto(request.pool, stats)
-        add_history_stats(reply, self.history.counters(request.pool))
+        counters = self.history.counters(request.pool)
+        add_history_stats(reply, counters)
+        self.metrics.show_history(request.pool, counters)
         return reply
 
     @rpc(wrote=True)
@@ -217,6 +239,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayBufferServicer):
         result = self.history.report(
             request.pool, request.run_id, request.step, request.policy_version, outcomes, request.questions
         )
+        self.metrics.show_history(request.pool, self.history.counters(request.pool))
         return replay_pb2.ReportOutcomesResponse(
             recorded=result.recorded, duplicate=result.duplicate, last_step=result.last_step
         )

@@ -279,3 +279,26 @@ def test_pool_stats_questions_prints_the_history(replay, replay_client, pool_nam
     # the first page, hardest first: "hard" (never solved, rescued 4 times) before "easy" (mastered)
     assert text.index("│ hard │ 4 │ 16 │ 0 │ 0.00 │") < text.index("│ easy │ 4 │ 16 │ 16 │ 1.00 * │")
     assert "first 2 of 2" in text
+
+
+def test_history_gauges_follow_each_report(replay_client, pool_name, replay, auth_token_file):
+    """Issue 48's dashboard row: after a report, /metrics shows the pool's questions per pass-rate bucket, its
+    mastered questions and rescues; no history series before the pool's first report."""
+    from tests.metrics_util import scrape, series_value
+
+    token = auth_token_file.read_text().strip()
+    make_pool(replay_client, pool_name, solved=("a",))
+    replay_client.stats(pool_name)
+    assert f'rlep_replay_pool_pass_rate_questions{{bucket="0.0-0.1",pool="{pool_name}"}}' not in scrape(
+        replay.metrics_port, token
+    )
+    rescued = outcome("b", attempts=4, successes=0, replayed=2, rescued=True)
+    replay_client.report_outcomes(pool_name, "run", 1, 1, [outcome("a", 4, 4), outcome("c", 4, 2), rescued])
+    text = scrape(replay.metrics_port, token)
+    buckets = {
+        label: series_value(text, f'rlep_replay_pool_pass_rate_questions{{bucket="{label}",pool="{pool_name}"}}')
+        for label in ("0.0-0.1", "0.5-0.6", "0.9-1.0", "0.3-0.4")
+    }
+    assert buckets == {"0.0-0.1": 1, "0.5-0.6": 1, "0.9-1.0": 1, "0.3-0.4": 0}
+    assert series_value(text, f'rlep_replay_pool_rescues{{pool="{pool_name}"}}') == 1
+    assert series_value(text, f'rlep_replay_pool_mastered_questions{{pool="{pool_name}"}}') == 0  # 1 visit of 4
