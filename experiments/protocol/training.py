@@ -72,7 +72,7 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         "seed": config.seed,
         "curve": curve(),
         # Correct samples per held-out question at each evaluation (issue 49: accuracy sliced by difficulty).
-        "curve_correct": [(r.step, r.eval_correct) for r in records if getattr(r, "eval_correct", None) is not None],
+        "curve_correct": [(r.step, r.eval_correct) for r in records if r.eval_correct is not None],
         "steps": len(steps),
         "plateau_step": plateau() if stop_at_plateau else None,
         "step_seconds": [r.step_seconds for r in steps],

@@ -120,11 +120,7 @@ class StepRecord:
     be sliced by difficulty afterwards (issue 49)."""
 
     def to_json(self) -> dict[str, Any]:
-        record = dataclasses.asdict(self)
-        for name in ABSENT_WHEN_NONE:
-            if record[name] is None:
-                del record[name]
-        return record
+        return _without_none(dataclasses.asdict(self), ABSENT_WHEN_NONE)
 
 
 # Figures only some steps or runs measure: their keys are absent from a line that has none (not null).
@@ -159,13 +155,15 @@ class EvalRecord:
     """Correct samples per held-out question (as `StepRecord.eval_correct`); absent from logs written before it."""
 
     def to_json(self) -> dict[str, Any]:
-        record = dataclasses.asdict(self)
-        if record["eval_correct"] is None:
-            del record["eval_correct"]
-        return record
+        return _without_none(dataclasses.asdict(self), ("eval_correct",))
 
 
 LogRecord = StepRecord | EvalRecord
+
+
+def _without_none(record: dict[str, Any], absent_when_none: tuple[str, ...]) -> dict[str, Any]:
+    """`record` without the keys of `absent_when_none` whose value is None (absent from the line, not null)."""
+    return {key: value for key, value in record.items() if value is not None or key not in absent_when_none}
 
 
 def parse_record(line: dict[str, Any]) -> LogRecord:

@@ -20,6 +20,7 @@ import torch
 from rlep.common.dataset import Question
 from rlep.common.tiny_model import ModelSpec, cached_model
 from rlep.common.types import FinishReason, Source, Trajectory, Verdict, trajectory_id
+from rlep.replay.v1 import replay_pb2
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.step_inputs import ServiceClients
 from rlep.services.learner.tokens import PolicyTokenizer
@@ -306,8 +307,6 @@ def test_retirement_reads_the_history_an_earlier_run_reported(tokenizer, verifie
     """Three earlier visits at 8/8 and this step's 2/4 make 26/28 = 0.93 over 4 visits: retired at 0.9, so no
     replayed row, and the step says why. A retried report of the same step changes nothing."""
     seed_two_successes_each(tokenizer, replay_client, pool_name)
-    from rlep.replay.v1 import replay_pb2
-
     for step in (1, 2, 3):
         earlier = [replay_pb2.QuestionOutcome(question_id=q.question_id, attempts=8, successes=8) for q in QUESTIONS]
         replay_client.report_outcomes(pool_name, "earlier-run", step, 0, earlier)
