@@ -73,12 +73,19 @@ class ProtocolConfig(StrictModel):
     and stay there to step 40; 3e-5 dipped to 0.37 and rose to 0.425 by step 40 (seed 0, 400 eval questions)."""
     max_response_tokens: int = Field(48, ge=8)
     max_steps: int = Field(600, ge=1)
-    """Cap of the baseline, far beyond where baselines converged before (60-200 steps); a capped run is reported as
-    not converged."""
+    """The horizon: every run of every arm trains this many steps (`horizon: fixed`); under `horizon: plateau`, the
+    baseline's cap (a capped run is reported as not converged)."""
+    horizon: Literal["fixed", "plateau"] = "fixed"
+    """`fixed` (issue 49): every baseline runs `max_steps`, so no arm's length depends on its noise. `plateau`
+    (issues 15 and 29, kept to reproduce their runs): a baseline stops at the plateau rule below, and its seed's
+    other arms run as many steps."""
     patience: int = Field(5, ge=1)
-    """Evaluations without a new best that count as converged (5 x 20 = 100 steps without one)."""
+    """`horizon: plateau`: evaluations without a new best that count as converged (5 x 20 = 100 steps)."""
     min_delta: float = Field(0.01, ge=0)
-    """A new best must beat the old by more than this (one standard error of an evaluation)."""
+    """`horizon: plateau`: a new best must beat the old by more than this (one standard error of an evaluation)."""
+    pair_on_other_cpu: bool = False
+    """An arm whose seed's baseline ran on another CPU model (or core count) is refused before it starts: the CPU
+    changes trajectories (issue 49). True trains it anyway; the report then lists that pair unpaired."""
     equal_updates_arm: bool = True
     """Also run RLEP with as many optimizer updates per step as the baseline (mini-batches over G + M rows)."""
     collect_samples: int = Field(64, ge=2)

@@ -36,6 +36,7 @@ def run_figures(base: dict, rlep: dict) -> dict[str, Any]:
     return {
         "baseline_steps": base["steps"],
         "baseline_plateau_step": base["plateau_step"],
+        "baseline_stopped_by": base.get("stopped_by", "plateau" if base["plateau_step"] else "cap"),
         "baseline_peak": base_peak,
         "baseline_peak_step": base_peak_step,
         "rlep_peak": rlep_peak,

@@ -42,6 +42,7 @@ PILOT = {
     "seeds": [0],
     "eval_questions": 500,
     "eval_every": 10,
+    "horizon": "plateau",
     "patience": 5,
     "min_delta": 0.02,
     "max_steps": 400,

@@ -307,7 +307,7 @@ def print_arm(arm: dict, console: Console) -> None:
     seeds = Table(title=f"{label} vs baseline, per seed (held-out accuracy at T=1; as many steps as the baseline)")
     for column in (
         "seed",
-        "baseline steps (plateau)",
+        "baseline steps (stopped by)",
         "baseline peak (step)",
         "RLEP reaches it at",
         "ratio",
@@ -320,7 +320,7 @@ def print_arm(arm: dict, console: Console) -> None:
     for seed, f in arm["per_seed"].items():
         seeds.add_row(
             str(seed),
-            f"{f['baseline_steps']} ({f['baseline_plateau_step'] or 'cap'})",
+            f"{f['baseline_steps']} ({f['baseline_plateau_step'] or f.get('baseline_stopped_by', 'cap')})",
             f"{f['baseline_peak']:.3f} ({f['baseline_peak_step']})",
             "not reached" if f["rlep_steps_to_baseline_peak"] is None else str(f["rlep_steps_to_baseline_peak"]),
             _fmt(f["steps_ratio"], 2),

@@ -2,14 +2,15 @@
 
 1. One supervised warm-up of the tiny model (fixed seed), cached on disk under a key of its settings and
    shared by every run.
-2. Baseline (M=0) per RL seed until it has converged: no new best by more than `min_delta` (one standard error
-   of an evaluation) over `patience` evaluations in a row, capped at `max_steps` (a capped run is reported as
-   such). Each step takes `questions_per_step / mini_batch_questions` PPO mini-batch updates, as the paper does
-   (512 / 64 = 8 there).
+2. Baseline (M=0) per RL seed for `max_steps` steps, a horizon fixed before the runs (issue 49; `horizon:
+   plateau` stops it instead once it has converged: no new best by more than `min_delta` over `patience`
+   evaluations in a row, issues 15 and 29). Each step takes `questions_per_step / mini_batch_questions` PPO
+   mini-batch updates, as the paper does (512 / 64 = 8 there).
 3. Collection from the first seed's converged (final) baseline policy: N samples at T=0.7, top-p 0.95;
    questions with >= 2 correct samples go to the pool. Reports the pool's coverage and diversity.
 4. RLEP (M replayed successes per question) from the same warm-up model, one run per RL seed, as many
-   steps as that seed's baseline ran; and, with `equal_updates_arm`, RLEP with mini-batches sized over all
+   steps as that seed's baseline ran, on the CPU model that baseline ran on (another is refused unless
+   `pair_on_other_cpu`); and, with `equal_updates_arm`, RLEP with mini-batches sized over all
    G + M rows (`algorithm.mini_batch_rows: all`): as many optimizer updates per step as the baseline, so
    replay's effect is not its extra updates.
 5. Held-out set of `eval_questions` x `eval_samples` (one sample per question: SE = sqrt(p(1-p)/Q) <= 0.01
@@ -73,6 +74,12 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
     def config(run_id: str, seed: int, steps: int, pool: str = "protocol-phase1", extra: dict | None = None):
         return run_config(cfg, run_id, seed, steps, warm, pool, extra or {})
 
+    stop = cfg if cfg.horizon == "plateau" else None  # a baseline's stopping rule
+
+    def arm(run: TrainConfig, seed: int) -> dict:
+        baseline = out["baseline"][seed]
+        return train_run(run, stack, None, cfg.archive, pair_with=baseline, pair_on_other_cpu=cfg.pair_on_other_cpu)
+
     stack = ServiceStack(config("baseline-s0", 0, cfg.max_steps), warm, app_name="rlep-protocol-rollout")
     stack.start(need_replay=True)
     out: dict[str, Any] = {"warmup": {"dir": str(warm), "pass_at_1": warm_pass}, "baseline": {}, "rlep": {}}
@@ -82,29 +89,29 @@ def run_protocol(cfg: ProtocolConfig, ablations: bool) -> dict:
         # The first seed's baseline and the pool, then both arms seed by seed: whatever time allows ends in
         # complete pairs (a rerun reuses finished runs).
         first = cfg.seeds[0]
-        out["baseline"][first] = train_run(config(f"baseline-s{first}", first, cfg.max_steps), stack, cfg, cfg.archive)
+        out["baseline"][first] = train_run(config(f"baseline-s{first}", first, cfg.max_steps), stack, stop, cfg.archive)
         checkpoint = checkpoint_of_first_baseline(cfg, out["baseline"][first]["steps"])
         base = config("collect", first, 1)
         out["pool"] = collect_pool(cfg, stack, checkpoint, "protocol-phase1", cfg.collect_rule, base)
         for seed in cfg.seeds:
             if seed != first:
                 out["baseline"][seed] = train_run(
-                    config(f"baseline-s{seed}", seed, cfg.max_steps), stack, cfg, cfg.archive
+                    config(f"baseline-s{seed}", seed, cfg.max_steps), stack, stop, cfg.archive
                 )
             steps = out["baseline"][seed]["steps"]
-            out["rlep"][seed] = train_run(config(f"rlep-s{seed}", seed, steps), stack, None, cfg.archive)
+            out["rlep"][seed] = arm(config(f"rlep-s{seed}", seed, steps), seed)
             if cfg.equal_updates_arm:
                 equal = config(f"rlep-equal-s{seed}", seed, steps, extra={"algorithm": {"mini_batch_rows": "all"}})
-                out["rlep_equal"][seed] = train_run(equal, stack, None, cfg.archive)
+                out["rlep_equal"][seed] = arm(equal, seed)
         if ablations:
-            out["ablations"] = run_ablations(cfg, stack, config, out, checkpoint, base)
+            out["ablations"] = run_ablations(cfg, stack, config, arm, out, checkpoint, base)
     finally:
         stack.close()
     out["wall_seconds"] = time.perf_counter() - started
     return out
 
 
-def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Path, base: TrainConfig) -> dict:
+def run_ablations(cfg: ProtocolConfig, stack, config, arm, out: dict, checkpoint: Path, base: TrainConfig) -> dict:
     """Each cell: RLEP variant runs for the first `ablation_seeds` seeds, as long as their baselines."""
     replay = stack.services.replay
     cells: dict[str, dict] = {name: {"not_run": why} for name, why in NOT_RUNNABLE.items()}
@@ -132,7 +139,7 @@ def run_ablations(cfg: ProtocolConfig, stack, config, out: dict, checkpoint: Pat
                         copy_pool(replay, "protocol-phase1", pool)
             extra = {k: v for k, v in spec.items() if k != "pool"}
             run = config(run_id, seed, out["baseline"][seed]["steps"], pool, extra)
-            runs[seed] = train_run(run, stack, None, cfg.archive)
+            runs[seed] = arm(run, seed)
         cells[name] = {"runs": runs}
     return cells
 

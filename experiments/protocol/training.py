@@ -1,5 +1,6 @@
 """One run of the protocol: the shared warm-up every run starts from, and one RL run on the shared services
-(to its plateau for a baseline), each reused when it finished before, here or in the archive."""
+(to the horizon, or to its plateau for a baseline under `horizon: plateau`), each reused when it finished before,
+here or in the archive, and refused when it cannot pair with its seed's baseline."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from rlep.experiments.protocol import archive as archived
 from rlep.experiments.protocol.compare import plateau_step
 from rlep.experiments.protocol.config import ProtocolConfig
+from rlep.experiments.protocol.endpoints import DIFFERENT, cpu_model, pairing
 from rlep.experiments.protocol.pool import machine
 from rlep.services.learner.config import TrainConfig
 
@@ -39,9 +41,43 @@ def shared_warmup(cfg: ProtocolConfig, build: bool = True) -> tuple[Path, float 
     return out, json.loads((out / RESULT_FILE).read_text())["pass_at_1"]
 
 
-def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None, archive: Path | None = None) -> dict:
-    """One RL run on the shared services; with `stop_at_plateau` it ends at the plateau rule's step. A run
-    finished before (here, or in `archive`) is not run again.
+def reuse_problem(result: dict, steps: int, stops_at_plateau: bool) -> str | None:
+    """Why a finished run's result cannot stand for a run of `steps` steps (None when it can): a run that trained
+    another number of steps than asked, unless the plateau rule may have stopped it earlier."""
+    if result["steps"] == steps or (stops_at_plateau and result["steps"] < steps):
+        return None
+    why = f"stopped at its plateau (step {result['plateau_step']})" if result.get("plateau_step") else "ran"
+    return (
+        f"{result['run_id']} {why} {result['steps']} steps, this run asks {steps}: give a run of another horizon its "
+        "own folders (--set work_dir=... --set archive=... --set results=...), or --set horizon=plateau to go on "
+        "with issue 29's runs"
+    )
+
+
+def pairing_problem(baseline: dict, here: str, allowed: bool) -> str | None:
+    """Why an arm must not start on this machine (`here`: `pool.machine()`) beside its seed's `baseline` result
+    (None when it may): another CPU model or core count, unless `allowed` (`pair_on_other_cpu`)."""
+    if allowed or pairing(baseline, {"machine": here}) != DIFFERENT:
+        return None
+    return (
+        f"{baseline['run_id']} ran on {cpu_model(baseline['machine'])}, this machine is {cpu_model(here)}: its arms "
+        "must run on the same CPU to pair (issue 49). Run them there, or --set pair_on_other_cpu=true to train "
+        "them here and report the pair unpaired"
+    )
+
+
+def train_run(
+    config: TrainConfig,
+    stack,
+    stop_at_plateau: ProtocolConfig | None,
+    archive: Path | None = None,
+    pair_with: dict | None = None,
+    pair_on_other_cpu: bool = False,
+) -> dict:
+    """One RL run on the shared services of `config.steps` steps; with `stop_at_plateau` it ends at the plateau
+    rule's step. A run finished before (here, or in `archive`) is not run again, unless it trained another number of
+    steps (SystemExit). An arm (`pair_with`: its seed's baseline result) that would train on another CPU model than
+    that baseline is refused (SystemExit) unless `pair_on_other_cpu`.
 
     Returns the run's curve, where it stopped and why, and its per-step costs (result.json).
     """
@@ -49,10 +85,14 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
     from rlep.services.learner.records import StepRecord
 
     done = config.checkpoint.dir / "result.json"
-    if archive and archived.restore_file(archive, f"results/{config.run_id}.json", done):
-        return json.loads(done.read_text())
-    if done.exists():
-        return json.loads(done.read_text())
+    restored = archive and archived.restore_file(archive, f"results/{config.run_id}.json", done)
+    if restored or done.exists():
+        result = json.loads(done.read_text())
+        if problem := reuse_problem(result, config.steps, stop_at_plateau is not None):
+            raise SystemExit(problem)
+        return result
+    if pair_with is not None and (problem := pairing_problem(pair_with, machine(), pair_on_other_cpu)):
+        raise SystemExit(problem)
     if config.log_file.exists():
         config.log_file.unlink()  # an interrupted run starts over
     records: list = []
@@ -75,6 +115,8 @@ def train_run(config: TrainConfig, stack, stop_at_plateau: ProtocolConfig | None
         "curve_correct": [(r.step, r.eval_correct) for r in records if r.eval_correct is not None],
         "steps": len(steps),
         "plateau_step": plateau() if stop_at_plateau else None,
+        # Why it ended: its plateau, the cap of the plateau rule, or the fixed horizon (issue 49).
+        "stopped_by": ("plateau" if plateau() is not None else "cap") if stop_at_plateau else "horizon",
         "step_seconds": [r.step_seconds for r in steps],
         "sequences": [r.sequences for r in steps],
         "response_tokens": [r.response_length_mean * r.sequences for r in steps],
