@@ -1,5 +1,5 @@
 """Issue 31's hostile-client campaign, re-run, and issue 46's: what each item that broke does now, against
-`rlep serve` processes.
+`rlep serve` processes; and issue 50's hostile tool code against the sandbox (`--only sandbox`).
 
 Every service starts as an operator starts it (`rlep serve <svc>` on loopback, default settings, no auth), and is
 attacked as the issues' campaigns did (one module per service in `benchmarks/hostile/`). Per item it records what a
@@ -27,6 +27,7 @@ from hostile.load import load
 from hostile.mixed import mixed
 from hostile.replay import replay_items
 from hostile.rollout import rollout_items
+from hostile.sandbox import sandbox_items
 from hostile.verifier import scorer_items, verifier_items
 from rich.console import Console
 from rich.table import Table
@@ -54,6 +55,7 @@ PARTS = {
     "rollout": lambda work, args: rollout_items(work),
     "load": lambda work, args: {"load": load(args.load_seconds, work)},
     "mixed": lambda work, args: mixed(work),
+    "sandbox": lambda work, args: sandbox_items(work),
 }
 
 

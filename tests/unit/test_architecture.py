@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("stubs", ["rlep.common.v1", "rlep.replay.v1", "rlep.rollout.v1", "rlep.verifier.v1"]),
     ("common", ["rlep.common"]),
     ("weight transport", ["rlep.services.weights"]),
-    ("services", ["rlep.services.verifier", "rlep.services.replay", "rlep.services.rollout"]),
+    ("services", ["rlep.services.verifier", "rlep.services.replay", "rlep.services.rollout", "rlep.services.sandbox"]),
     ("learner and eval", ["rlep.services.learner", "rlep.services.eval"]),
     ("launch", ["rlep.services.launch"]),
     ("demo", ["rlep.services.demo"]),
