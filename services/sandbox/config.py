@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from rlep.common.config import StrictModel
 
-# Interpreters the sandbox may run, in order: outside /root and any home, so the unprivileged user it runs as can
+# Interpreters the sandbox may run, in order: outside any home folder, so the unprivileged user it runs as can
 # reach them. Debian's and the official python images' places.
 DEFAULT_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 
