@@ -51,7 +51,7 @@ class SandboxConfig(StrictModel):
     per_caller: int = Field(1, ge=1)
     """Calls of one caller running at once: a caller with many queued calls leaves slots to the others."""
     cache_entries: int = Field(4096, ge=0)
-    """Results kept, keyed by a hash of the code, its stdin and these limits (0: no cache). Calls that ran out of
+    """Results kept, keyed by a hash of the code and these limits (0: no cache). Calls that ran out of
     wall time are not cached (that depends on the machine's load)."""
 
     @model_validator(mode="after")

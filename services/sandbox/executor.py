@@ -106,9 +106,8 @@ def bubblewrap_command(config: SandboxConfig, bwrap: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_code(code: str, config: SandboxConfig, uid: int | None = None) -> ToolResult:
-    """Runs `code` under `config`'s isolation and limits, as host user `uid` (when this process is root; None: the
-    config's `run_as_uid`). Never raises for anything the code does; ValueError for code over `max_code_bytes`."""
+def check_code(code: str, config: SandboxConfig) -> None:
+    """ValueError for code no call may run: not UTF-8 text, over `max_code_bytes`, or with a NUL character."""
     try:
         size = len(code.encode("utf-8"))
     except UnicodeEncodeError as err:  # a lone surrogate: not text any interpreter can be given
@@ -117,6 +116,12 @@ def run_code(code: str, config: SandboxConfig, uid: int | None = None) -> ToolRe
         raise ValueError(f"code of {size} bytes exceeds sandbox.max_code_bytes ({config.max_code_bytes})")
     if "\x00" in code:
         raise ValueError("code contains a NUL character")
+
+
+def run_code(code: str, config: SandboxConfig, uid: int | None = None) -> ToolResult:
+    """Runs `code` under `config`'s isolation and limits, as host user `uid` (when this process is root; None: the
+    config's `run_as_uid`). Never raises for anything the code does; ValueError for code `check_code` refuses."""
+    check_code(code, config)
     python = str(config.interpreter())
     command = limits_command(config, config.prlimit())
     if config.isolation == "bubblewrap":
@@ -124,8 +129,9 @@ def run_code(code: str, config: SandboxConfig, uid: int | None = None) -> ToolRe
     command += [python, "-s", "-c", code]  # not -I: it would ignore PYTHONHASHSEED (the environment is ours)
     root = os.geteuid() == 0
     user = (config.run_as_uid if uid is None else uid) if root else None
+    own_folder = tempfile.TemporaryDirectory(prefix="rlep-sandbox-") if config.isolation == "rlimits" else None
     with (
-        tempfile.TemporaryDirectory(prefix="rlep-sandbox-") as work,
+        own_folder or contextlib.nullcontext() as work,
         tempfile.TemporaryFile() as out,
         tempfile.TemporaryFile() as err,
     ):

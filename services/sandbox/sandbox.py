@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict
 from dataclasses import replace
 
 from rlep.services.sandbox.config import SandboxConfig
-from rlep.services.sandbox.executor import ToolResult, cache_key, run_code
+from rlep.services.sandbox.executor import ToolResult, cache_key, check_code, run_code
 
 UNCACHED = ("timeout", "sandbox_failure")  # depend on the machine's load or state, not on the code
 
@@ -42,7 +42,9 @@ class Sandbox:
 
     def run(self, code: str, caller: str = "") -> ToolResult:
         """Runs `code` once a slot is free for `caller` (blocks until then); a cached result when the same code
-        ran before under the same limits. ValueError for code the config refuses (too large, NUL)."""
+        ran before under the same limits. ValueError, before it waits for a slot, for code the config refuses (not
+        UTF-8, too large, NUL)."""
+        check_code(code, self.config)
         key = cache_key(code, self.config)
         with self._lock:
             if (hit := self._cache.get(key)) is not None:
