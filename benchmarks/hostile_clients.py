@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hostile.common import RLEP  # benchmarks/hostile/, beside this script
 from hostile.eval import big_pages, eval_items
+from hostile.health_port import health_port_items
 from hostile.load import load
 from hostile.mixed import mixed
 from hostile.replay import replay_items
@@ -55,6 +56,7 @@ PARTS = {
     "rollout": lambda work, args: rollout_items(work),
     "load": lambda work, args: {"load": load(args.load_seconds, work)},
     "mixed": lambda work, args: mixed(work),
+    "healthport": lambda work, args: health_port_items(work),
     "sandbox": lambda work, args: sandbox_items(work),
 }
 

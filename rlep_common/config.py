@@ -73,6 +73,13 @@ class ServerConfig(TlsFiles):
     """File holding a bearer token. When set, every RPC and /metrics must present it."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port of the Prometheus /metrics endpoint (same host); None disables it, 0 picks a free one."""
+    health_port: int | None = Field(None, ge=0, le=65535)
+    """Port of a second, plaintext gRPC server (same host) answering only the standard health check, with what the
+    data port's own health check last said (rlep_common/health_port.py). Probes there answer at once when the data
+    port's calls keep its health check waiting, and the kubelet's gRPC probe (no TLS) works with TLS on. None
+    disables it, 0 picks a free one (printed at start-up)."""
+    health_stall_s: float = Field(30.0, gt=0, le=3600)
+    """The health port says NOT_SERVING when the data port's health check has not answered this long."""
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """Largest request accepted; larger ones get INVALID_ARGUMENT."""
     grpc_threads: int = Field(16, ge=2, le=1024)
@@ -111,13 +118,18 @@ class ServerConfig(TlsFiles):
         return self
 
     @model_validator(mode="after")
-    def _metrics_port_is_its_own(self) -> ServerConfig:
+    def _ports_are_their_own(self) -> ServerConfig:
         # Caught here, before binding: the second bind would fail as "port in use" by this very service.
-        if self.port and self.metrics_port == self.port:
-            raise ValueError(
-                f"port and metrics_port are the same ({self.port}): /metrics needs a port of its own; "
-                "give --metrics-port another one (0 = any free port)"
-            )
+        named = [("port", self.port), ("metrics_port", self.metrics_port), ("health_port", self.health_port)]
+        taken = [(name, port) for name, port in named if port]  # None and 0 (any free port) never collide
+        for i, (name, port) in enumerate(taken):
+            for other, other_port in taken[i + 1 :]:
+                if port == other_port:
+                    flag = "--" + other.replace("_", "-")
+                    raise ValueError(
+                        f"{name} and {other} are the same ({port}): each needs a port of its own; "
+                        f"give {flag} another one (0 = any free port)"
+                    )
         return self
 
     @model_validator(mode="after")

@@ -108,8 +108,10 @@ def build_server(
     register: Callable[[grpc.Server], None],
     service_names: Iterable[str],
     interceptors: Iterable[grpc.ServerInterceptor] = (),
+    local_target: str | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Creates, binds and starts a server; `interceptors` run after the auth check.
+    """Creates, binds and starts a server; `interceptors` run after the auth check. With `local_target` (a
+    `unix:` socket in a private folder) it listens there too, without TLS: the health port's watcher.
     Returns `(server, bound_port, health_servicer)`."""
     token = config.read_auth_token()
     # Outermost first: health checks' own threads (health is exempt from auth, and no later wrapper may hide the
@@ -141,6 +143,8 @@ def build_server(
     port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
+    if local_target is not None and server.add_insecure_port(local_target) == 0:
+        raise OSError(f"could not bind {local_target}")
     server.start()
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

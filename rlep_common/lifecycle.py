@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 from rlep.common.config import ServerConfig
 from rlep.common.grpc_interceptors import StatusCountInterceptor
 from rlep.common.grpc_server import add_validated_servicer, build_server
+from rlep.common.health_port import HealthPort, private_socket
 from rlep.common.metrics import MetricsServer
 from rlep.common.tls import server_ssl_context
 
@@ -45,17 +46,32 @@ class RunningService:
     port: int
     health: health.HealthServicer
     metrics_server: MetricsServer | None
+    health_port_server: HealthPort | None = None
 
     @property
     def metrics_port(self) -> int | None:
         return self.metrics_server.port if self.metrics_server else None
+
+    @property
+    def health_port(self) -> int | None:
+        return self.health_port_server.port if self.health_port_server else None
+
+    @property
+    def side_ports(self) -> str:
+        """The banner's words for the other ports: `metrics=P` and, when on, ` health_port=P`."""
+        health_port = f" health_port={self.health_port}" if self.health_port_server else ""
+        return f"metrics={self.metrics_port}{health_port}"
 
     def close(self) -> None:
         """Releases what the service holds besides its servers; runs once they have stopped."""
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         self.health.enter_graceful_shutdown()  # probes and load balancers stop sending work first
+        if self.health_port_server:
+            self.health_port_server.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()  # calls still running then are cancelled
+        if self.health_port_server:
+            self.health_port_server.stop()
         if self.metrics_server:
             self.metrics_server.stop()
         self.close()
@@ -78,14 +94,27 @@ def start_service(
     """Serves `servicer` for `service` with every call counted into `requests` (labels `method, code`, or
     `code` alone when `by_method` is False) and `registry` on the metrics port.
     Returns `running_cls(..., **parts)`; `parts` are the subclass's own fields."""
+    local = private_socket() if config.health_port is not None else None
     server, port, health_servicer = build_server(
         config,
         lambda s: add_validated_servicer(s, service, servicer, config.max_request_bytes),
         [service.full_name],
         [StatusCountInterceptor(requests, service.full_name, by_method)],
+        local_target=local,
     )
+    health_port = None
+    if local is not None:
+        health_port = HealthPort(config.host, config.health_port, local, ["", service.full_name], config.health_stall_s)
+        health_port.wait_first_check(timeout_s=config.health_stall_s)  # SERVING there once the service is up
     metrics_server = start_metrics(registry, config)
-    return running_cls(server=server, port=port, health=health_servicer, metrics_server=metrics_server, **parts)
+    return running_cls(
+        server=server,
+        port=port,
+        health=health_servicer,
+        metrics_server=metrics_server,
+        health_port_server=health_port,
+        **parts,
+    )
 
 
 class Stoppable(Protocol):

@@ -26,9 +26,17 @@ RLEP = str(Path(sys.executable).with_name("rlep"))
 class Service:
     """One `rlep serve` process; `output` is everything it printed (read after `stop`)."""
 
-    def __init__(self, name: str, *sets: str, data_dir: Path | None = None, http: bool = False):
+    def __init__(
+        self, name: str, *sets: str, data_dir: Path | None = None, http: bool = False, health_port: bool = False
+    ):
+        """`health_port`: also `--health-port` (`health_address`), the port probes are meant to use."""
         self.port = free_port()
         args = [RLEP, "serve", name, "--port", str(self.port)]
+        self.health_address = None
+        if health_port:
+            port = free_port()
+            args += ["--health-port", str(port)]
+            self.health_address = f"127.0.0.1:{port}"
         for value in [*sets, *([f"local_redis_dir={data_dir}"] if data_dir else [])]:
             args += ["--set", value]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -74,7 +82,8 @@ class Service:
 def health_check_s(address: str, timeout: float = 5) -> float | None:
     """Seconds one gRPC health check took, or None when it did not answer SERVING."""
     started = time.perf_counter()
-    reply = health_pb2_grpc.HealthStub(make_channel(address)).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    with make_channel(address) as channel:  # a new connection each time, as a kubelet's probe makes; then closed
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     return time.perf_counter() - started if reply.status == health_pb2.HealthCheckResponse.SERVING else None
 
 

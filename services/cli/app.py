@@ -82,6 +82,10 @@ HostOpt = Annotated[str | None, typer.Option(help="Bind address (default 127.0.0
 PortOpt = Annotated[int | None, typer.Option(help="gRPC port (0 = any free port).")]
 TokenOpt = Annotated[Path | None, typer.Option("--auth-token-file", help="Require this bearer token on every RPC.")]
 MetricsOpt = Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus /metrics on this port.")]
+HealthPortOpt = Annotated[
+    int | None,
+    typer.Option("--health-port", help="Answer gRPC health checks on this port too (plaintext, 0 = any free one)."),
+]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override any field: --set num_workers=4.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as JSON and exit.")]
 
@@ -93,6 +97,7 @@ SERVER_FLAGS = {
     "--port": "port",
     "--auth-token-file": "auth_token_file",
     "--metrics-port": "metrics_port",
+    "--health-port": "health_port",
 }
 
 
@@ -137,7 +142,7 @@ def _serve(service: str, config: Path | None, flags: dict[str, Any], sets: list[
         if not _is_port_in_use(err):
             raise
         raise UserError(
-            f"cannot listen on {listen} (or its --metrics-port): the port is in use; "
+            f"cannot listen on {listen} (or its --metrics-port or --health-port): the port is in use; "
             "pick another --port (0 = any free port) or stop the process holding it"
         ) from err
 
@@ -158,10 +163,17 @@ def _add_serve_command(service: str, help_text: str) -> None:
         port: PortOpt = None,
         auth_token_file: TokenOpt = None,
         metrics_port: MetricsOpt = None,
+        health_port: HealthPortOpt = None,
         set_: SetOpt = None,
         dry_run: DryRunOpt = False,
     ) -> None:
-        flags = {"--host": host, "--port": port, "--auth-token-file": auth_token_file, "--metrics-port": metrics_port}
+        flags = {
+            "--host": host,
+            "--port": port,
+            "--auth-token-file": auth_token_file,
+            "--metrics-port": metrics_port,
+            "--health-port": health_port,
+        }
         _serve(service, config, flags, set_, dry_run)
 
     serve_app.command(service, help=help_text)(command)

@@ -88,7 +88,7 @@ def serve_forever(config: ReplayConfig) -> None:
     # The embedded Redis's URL carries its password: the banner shows where it is, never the secret.
     where = redact_secrets(running.local_redis.url) if running.local_redis else "configured Redis"
     print(
-        f"replay listening on {config.server.host}:{running.port} metrics={running.metrics_port} redis={where}",
+        f"replay listening on {config.server.host}:{running.port} {running.side_ports} redis={where}",
         flush=True,
     )
     stop.wait()

@@ -112,7 +112,7 @@ def serve_forever(config: RolloutConfig) -> None:
     stop = stop_on_signal()
     running = start_rollout(config, on_failure=lambda _: stop.set())
     print(
-        f"rollout listening on {config.server.host}:{running.port} metrics={running.metrics_port}"
+        f"rollout listening on {config.server.host}:{running.port} {running.side_ports}"
         f" model={running.engine.model_path} version={running.engine.version}",
         flush=True,
     )

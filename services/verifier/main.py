@@ -70,6 +70,5 @@ def serve_forever(config: VerifierConfig) -> None:
     log.info("verifier listening on %s:%d (metrics port %s)", config.server.host, running.port, running.metrics_port)
     serve_until_signal(
         running,
-        f"verifier listening on {config.server.host}:{running.port}"
-        f" metrics={running.metrics_port} workers={config.num_workers}",
+        f"verifier listening on {config.server.host}:{running.port} {running.side_ports} workers={config.num_workers}",
     )

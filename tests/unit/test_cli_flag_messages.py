@@ -78,3 +78,6 @@ def test_serve_with_the_same_port_twice_says_so_before_binding(service):
     port = str(free_port())
     text = refused(["serve", service, "--port", port, "--metrics-port", port, "--dry-run"], "same", "--metrics-port")
     assert "in use" not in text
+    args = ["serve", service, "--metrics-port", port, "--health-port", port, "--dry-run"]
+    text = refused(args, "same", "--health-port")
+    assert "metrics_port and health_port are the same" in text

@@ -76,7 +76,11 @@ def test_rlep_services_listen_on_all_interfaces_with_the_shared_config_and_token
 
 
 def test_health_checks_use_the_image_script_on_each_service_port(compose):
-    ports = {"verifier": "grpc 127.0.0.1:50061", "replay": "grpc 127.0.0.1:50062", "rollout": "grpc 127.0.0.1:50063"}
+    # gRPC services are checked on their health port (--health-port), which their command opens.
+    health_ports = {"verifier": 50071, "replay": 50072, "rollout": 50073}
+    for name, port in health_ports.items():
+        assert flags(compose["services"][name])["health-port"] == str(port), name
+    ports = {name: f"grpc 127.0.0.1:{port}" for name, port in health_ports.items()}
     ports |= {"eval": "http http://127.0.0.1:8080/healthz", "learner": "http http://127.0.0.1:9464/healthz"}
     for name, target in ports.items():
         test = compose["services"][name]["healthcheck"]["test"]

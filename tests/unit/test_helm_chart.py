@@ -149,8 +149,8 @@ def test_services_select_pods_the_chart_creates(manifests):
 
 def test_deployments_probe_grpc_health_or_http_healthz(manifests):
     deployments = by_kind(manifests, "Deployment")
-    grpc_ports = {"rlep-verifier": 50061, "rlep-replay": 50062}
-    for name, port in grpc_ports.items():
+    health_ports = {"rlep-verifier": 50071, "rlep-replay": 50072}  # server.health_port, beside 50061 / 50062
+    for name, port in health_ports.items():
         [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, (name, probe)

@@ -206,7 +206,7 @@ def config_ports(docs: list[dict], name: str) -> set[int]:
     """The ports a service process opens, from the config the chart gives it."""
     config = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"][f"{name}.yaml"])
     server = config["server"]
-    return {server["port"]} | ({server["metrics_port"]} if "metrics_port" in server else set())
+    return {server[key] for key in ("port", "metrics_port", "health_port") if key in server}
 
 
 def test_probes_point_at_ports_the_process_opens(docs):

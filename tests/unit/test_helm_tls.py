@@ -77,9 +77,12 @@ def test_every_rlep_container_mounts_the_secret_and_trusts_its_ca(docs):
 
 
 def test_probes_and_scrapes_work_with_tls(docs):
-    # The kubelet's gRPC probe cannot speak TLS: a gRPC probe would fail every pod.
+    # The kubelet's gRPC probe cannot speak TLS: it probes the plaintext health port, not the TLS data port.
     [container] = by_kind(docs, "Deployment")["rlep-verifier"]["spec"]["template"]["spec"]["containers"]
-    assert container["readinessProbe"]["tcpSocket"] == {"port": 50061} and "grpc" not in container["readinessProbe"]
+    config = yaml.safe_load(by_kind(docs, "ConfigMap")["rlep-config"]["data"]["verifier.yaml"])
+    assert config["server"]["health_port"] == 50071 and config["server"]["port"] == 50061
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50071}, probe
     [monitor] = by_kind(docs, "ServiceMonitor").values()
     endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
     assert set(endpoints) == {"metrics", "http"}  # learner and workers on `metrics`, eval on `http`

@@ -188,10 +188,12 @@ names the interface the nodes share (NCCL may pick another on multi-NIC nodes), 
 {{- end }}
 {{- end -}}
 
-{{/* A gRPC Deployment's probes: the health service needs no token. Argument: (dict "port" 50061 "tls" bool).
-The kubelet's gRPC probe speaks plaintext only, so with TLS the probes check that the port accepts connections. */}}
+{{/* A gRPC Deployment's probes, on the service's health port (server.health_port, rlep_common/health_port.py):
+plaintext, so the kubelet's gRPC probe (no TLS) works with TLS on, and answered by a server of its own, so a probe
+does not wait behind the data port's calls; it says NOT_SERVING when the data port's own health check stalls.
+Argument: (dict "port" 50071). */}}
 {{- define "rlep.grpcProbes" -}}
-{{- $probe := ternary (dict "tcpSocket" (dict "port" .port)) (dict "grpc" (dict "port" .port)) .tls }}
+{{- $probe := dict "grpc" (dict "port" .port) }}
 startupProbe:
   {{- toYaml $probe | nindent 2 }}
   periodSeconds: 5

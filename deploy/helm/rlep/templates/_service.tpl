@@ -1,9 +1,10 @@
 {{/*
 A service Deployment + Service pair (verifier, replay, eval share it). Argument:
   (dict "root" $ "name" "verifier" "values" .Values.verifier "grpcPort" 50061 "metricsPort" 9461
-        "httpPort" 0 "env" list "extraVolumes" list "extraMounts" list "initContainers" list
+        "healthPort" 50071 "httpPort" 0 "env" list "extraVolumes" list "extraMounts" list "initContainers" list
         "configPath" "/etc/rlep/config/verifier.yaml")
-grpcPort > 0: gRPC probes; httpPort > 0: HTTP probes on /healthz and /metrics on that port.
+grpcPort > 0: gRPC probes, on healthPort (the config's server.health_port: plaintext, answered apart from the
+data port's calls); httpPort > 0: HTTP probes on /healthz and /metrics on that port.
 */}}
 {{- define "rlep.service" -}}
 {{- $root := .root }}
@@ -56,11 +57,14 @@ spec:
             {{- if .metricsPort }}
             - { name: metrics, containerPort: {{ .metricsPort }} }
             {{- end }}
+            {{- if .healthPort }}
+            - { name: health, containerPort: {{ .healthPort }} }
+            {{- end }}
             {{- if .httpPort }}
             - { name: http, containerPort: {{ .httpPort }} }
             {{- end }}
           {{- if .grpcPort }}
-          {{- include "rlep.grpcProbes" (dict "port" .grpcPort "tls" (not (empty $root.Values.tls.secretName))) | nindent 10 }}
+          {{- include "rlep.grpcProbes" (dict "port" .healthPort) | nindent 10 }}
           {{- else }}
           startupProbe:
             httpGet: { path: /healthz, port: http{{ if $root.Values.tls.secretName }}, scheme: HTTPS{{ end }} }
