@@ -75,6 +75,14 @@ class AlgorithmConfig(StrictModel):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     replay_strategy: Strategy = Strategy.UNIFORM
     """Beyond the reference (off by default): how replayed successes are chosen."""
+    replay_priority: Literal["stored", "policy_surprise"] = "stored"
+    """Beyond the reference (issue 48): the priorities `replay_strategy: prioritized` draws a question's successes
+    by. `stored`: what the pool holds (1 when added, or what `UpdatePriorities` set). `policy_surprise`: after each
+    step's old-logprob pass, each replayed row's stored success gets priority max(`replay_priority_floor`, 1 - p),
+    p = exp(mean logprob per token) the policy's per-token chance of that answer, so answers the policy already
+    samples itself are drawn less (learner/replay_priorities.py). Needs `prioritized` and M > 0."""
+    replay_priority_floor: float = Field(0.05, gt=0, le=1)
+    """The least priority `policy_surprise` gives: a mastered answer is drawn less, never never."""
     replay_rule: ReplayRuleConfig = ReplayRuleConfig()
     """Beyond the reference: whether a group gets replay at all (`always`, the paper's, by default; `rescue`, `band`,
     retirement: `learner.replay_rules`), and the per-question outcomes reported to the replay service's history."""
@@ -147,6 +155,18 @@ class AlgorithmConfig(StrictModel):
     @property
     def untempered(self) -> bool:
         return self.temperature == 1.0 and self.top_p == 1.0
+
+    @model_validator(mode="after")
+    def _priority_has_effect(self) -> AlgorithmConfig:
+        # Refused rather than ignored: priorities only change draws under `prioritized`, and only with replay on.
+        if self.replay_priority != "stored" and (
+            self.replay_strategy != Strategy.PRIORITIZED or self.replayed_per_question == 0
+        ):
+            raise ValueError(
+                f"replay_priority: {self.replay_priority} changes nothing without replay_strategy: prioritized and "
+                f"replayed_per_question > 0 (now {self.replay_strategy.value}, M={self.replayed_per_question})"
+            )
+        return self
 
     @property
     def logprobs_mode(self) -> Literal["raw_logprobs", "processed_logprobs"]:

@@ -87,6 +87,12 @@ class StepRecord:
     nothing was reported."""
     history_recorded: int | None = None
     """Questions that report recorded."""
+    replay_priorities_updated: int | None = None
+    """With `replay_priority: policy_surprise`: stored successes whose priority this step set from the policy's
+    logprobs (`ReplayReport.priorities_updated`); absent otherwise."""
+    replay_priorities_status: str | None = None
+    """`updated`, `no_replayed_rows`, `pool_missing` or `failed: <code>` (with a warning; the step never fails
+    for it)."""
     rollout_mismatch_kl: float | None = None
     """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
     policies; the `rollout_mismatch_*` fields are None in logs written before them."""
@@ -139,6 +145,8 @@ ABSENT_WHEN_NONE = (
     "kl_ref",
     "history_status",
     "history_recorded",
+    "replay_priorities_updated",
+    "replay_priorities_status",
     "eval_accuracy",
     "eval_correct",
 )

@@ -128,6 +128,11 @@ class ReplayReport:
     service, or `replay_rule.report_outcomes` off)."""
     history_recorded: int | None = None
     """Questions the report recorded."""
+    priorities_updated: int | None = None
+    """With `replay_priority: policy_surprise`: stored successes whose priority the step set (None: not on, or no
+    replayed row)."""
+    priorities_status: str | None = None
+    """What setting them did: `updated`, `no_replayed_rows`, `pool_missing`, `failed: <code>`; None when off."""
 
     def record(self) -> dict:
         return {
@@ -136,6 +141,8 @@ class ReplayReport:
             "replay_rescued_groups": self.rescued_groups,
             "history_status": self.history_status,
             "history_recorded": self.history_recorded,
+            "replay_priorities_updated": self.priorities_updated,
+            "replay_priorities_status": self.priorities_status,
             "replay_requested": self.requested,
             "replay_received": self.received,
             "replay_used": self.used,

@@ -303,6 +303,25 @@ class StepInputs:
                 step_number, self.config.replay_pool, report.history_status,
             )  # fmt: skip
 
+    def update_priorities(self, updates: list[tuple[str, str, float]], report: ReplayReport) -> None:
+        """Sets the replayed successes' priorities (`replay_priority: policy_surprise`). Never fails the step: what
+        happened goes to `report`, with a warning where nothing was set."""
+        if not updates:  # on, but this step replayed nothing: the record says so
+            report.priorities_status, report.priorities_updated = "no_replayed_rows", 0
+            return
+        try:
+            updated, missing = self.services.replay.update_priorities(self.config.replay_pool, updates)
+        except PoolNotFound:
+            report.priorities_status, report.priorities_updated = "pool_missing", 0
+        except grpc.RpcError as err:
+            report.priorities_status, report.priorities_updated = f"failed: {err.code().name}", 0
+        else:
+            report.priorities_status, report.priorities_updated = "updated", updated
+            if missing:  # evicted or dropped since this step drew them
+                log.info("%d of %d replayed successes left the pool: priority not set", missing, len(updates))
+        if report.priorities_status != "updated":  # the pool is gone, or the service refused
+            log.warning("replay priorities not set in pool %r (%s)", self.config.replay_pool, report.priorities_status)
+
 
 def merged_outcomes(
     outcomes: list[FreshOutcome], replayed: dict[str, list[Trajectory]]

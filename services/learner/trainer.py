@@ -47,7 +47,7 @@ import torch
 from rlep.common.policy_info import write_policy_info
 from rlep.common.types import Group, Trajectory, Verdict
 from rlep.services.learner import generation_log
-from rlep.services.learner.algorithm import KlEstimator, kl_estimate
+from rlep.services.learner.algorithm import KlEstimator, flatten_groups, kl_estimate
 from rlep.services.learner.batch import ExperienceBatch, build_batch, with_kl_reward_penalty
 from rlep.services.learner.checkpoint_info import write_checkpoint_info
 from rlep.services.learner.config import TrainConfig
@@ -57,6 +57,7 @@ from rlep.services.learner.mismatch import correction_figures, rollout_mismatch
 from rlep.services.learner.overlap import GatherAhead, Staleness, drop_stale_groups, fresh_staleness
 from rlep.services.learner.policy_interface import Policy
 from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, format_record
+from rlep.services.learner.replay_priorities import policy_surprise, priority_updates
 from rlep.services.learner.replay_signal import replay_signal
 from rlep.services.learner.scored_trajectories import ReplayReport
 from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
@@ -227,6 +228,10 @@ class Trainer:
                 batch.advantages, batch.rewards, batch.replayed, batch.group_index, batch.old_logprobs, batch.loss_mask
             ):
                 figures |= {f"replay_{k}": v for k, v in signal.figures().items()}
+            priorities = []
+            if algo.replay_priority == "policy_surprise" and signal is not None:
+                surprise = policy_surprise(batch.old_logprobs, batch.loss_mask, algo.replay_priority_floor)
+                priorities = priority_updates(flatten_groups(groups)[0], batch.replayed, surprise)
             # By default mini-batches count fresh sequences (verl's ppo_mini_batch_size x n): replayed rows add updates.
             stats = self.policy.update(batch, algo.mini_batch_size)
         with timer.phase("weight_push"):
@@ -234,8 +239,13 @@ class Trainer:
             # A report is idempotent and needs nothing of the push: sent meanwhile, it adds no time to the step.
             args = (self.history_run, self.step + 1, gathered, replayed, replay)
             reported = self._reporting.submit(self.inputs.report_outcomes, *args)
+            prioritized = None
+            if algo.replay_priority == "policy_surprise":
+                prioritized = self._reporting.submit(self.inputs.update_priorities, priorities, replay)
             self.push_weights()
             reported.result()
+            if prioritized is not None:
+                prioritized.result()
         if algo.online_replay:
             self._add_successes(gathered.fresh)
         self.step += 1

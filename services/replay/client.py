@@ -114,6 +114,25 @@ class ReplayClient:
         )
         return self._not_found_as_pool_not_found(pool, self.stub.ReportOutcomes, request)
 
+    def update_priorities(
+        self, pool: str, updates: Sequence[tuple[str, str, float]], per_call: int = 4096
+    ) -> tuple[int, int]:
+        """Sets stored successes' priorities: (question id, trajectory id or "" for all, priority > 0). Calls of
+        at most `per_call` updates (the server bounds a call); returns (updated, missing) over all. Safe to retry.
+        Raises PoolNotFound when the pool does not exist."""
+        updated = missing = 0
+        for start in range(0, len(updates), per_call):
+            request = replay_pb2.UpdatePrioritiesRequest(
+                pool=pool,
+                updates=[
+                    replay_pb2.PriorityUpdate(question_id=q, trajectory_id=t, priority=p)
+                    for q, t, p in updates[start : start + per_call]
+                ],
+            )
+            reply = self._not_found_as_pool_not_found(pool, self.stub.UpdatePriorities, request)
+            updated, missing = updated + reply.updated, missing + reply.missing
+        return updated, missing
+
     def question_stats(
         self,
         pool: str,

@@ -110,6 +110,7 @@ class StoredTrajectory:
 
 
 # One add's Lua call: ~500 rows took 25-130 ms where 20,000 rows held Redis for 1-5 s (issue 31).
+PRIORITY_CHUNK = 1024  # priority updates per pair of pipelines
 ADD_CHUNK_ROWS = 500
 ADD_CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -284,15 +285,23 @@ class RedisReplayStore:
         self.require_pool(pool)
         prefix = pool_prefix(pool)
         updated = missing = 0
-        for qid, tid, priority in updates:
+        # Two round trips per chunk, not two or three per update: a learner sends one per replayed row each step.
+        for start in range(0, len(updates), PRIORITY_CHUNK):
             keep_going()
-            key = f"{prefix}:q:{qid}:prio"
-            tids = [tid] if tid else [t.decode() for t in self.client.zrange(key, 0, -1)]
-            present = [t for t in tids if self.client.zscore(key, t) is not None]
-            if present:
-                self.client.zadd(key, {t: priority for t in present}, xx=True)
-            updated += len(present)
-            missing += (len(tids) - len(present)) if tid else int(not present)
+            chunk = updates[start : start + PRIORITY_CHUNK]
+            pipe = self.client.pipeline(transaction=False)
+            for qid, tid, _ in chunk:
+                key = f"{prefix}:q:{qid}:prio"
+                pipe.zscore(key, tid) if tid else pipe.zrange(key, 0, -1)
+            found = pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
+            for (qid, tid, priority), listed in zip(chunk, found, strict=True):
+                present = ([tid] if listed is not None else []) if tid else [t.decode() for t in listed]
+                if present:
+                    pipe.zadd(f"{prefix}:q:{qid}:prio", {t: priority for t in present}, xx=True)
+                updated += len(present)
+                missing += int(not present)
+            pipe.execute()
         return updated, missing
 
     def question_ids(self, pool: str) -> list[str]:

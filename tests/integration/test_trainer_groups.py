@@ -322,3 +322,57 @@ def test_retirement_reads_the_history_an_earlier_run_reported(tokenizer, verifie
     assert again.duplicate and again.recorded == 0
     found = replay_client.question_stats(pool_name, question_ids=[QUESTIONS[0].question_id, "absent"]).questions
     assert [(h.visits, h.attempts, h.successes) for h in found] == [(4, 28, 26)]
+
+
+class LengthLogprobPolicy(RecordingPolicy):
+    """Old logprobs at every token of -0.3 x the tokens a row's response has beyond the shortest replayed one: the
+    shortest answer is certain to the policy (logprob 0), a longer one less likely per token."""
+
+    def logprobs(self, batch):
+        tokens = batch.loss_mask.sum(dim=1, keepdim=True)
+        shortest = tokens[batch.replayed].min()
+        return (-0.3 * (tokens - shortest)).expand(batch.loss_mask.shape).clone()
+
+
+def test_policy_surprise_sets_each_replayed_answers_priority_and_prioritized_draws_follow(
+    tokenizer, verifier_client, replay_client, redis_url, pool_name
+):
+    """`replay_priority: policy_surprise` against the real replay service: after a step, each replayed success's
+    stored priority is 1 - exp(mean old logprob per response token) of its row, and `prioritized` then draws the
+    answer the policy finds less likely in proportion (Efraimidis-Spirakis keys: P = w / sum of w)."""
+    import math
+
+    import redis
+
+    from rlep.services.replay.store import pool_prefix
+
+    seed_two_successes_each(tokenizer, replay_client, pool_name)
+    trainer, _, _ = make_trainer(
+        tokenizer, verifier_client, replay_client, pool_name, replayed_per_question=2,
+        replay_strategy="prioritized", replay_priority="policy_surprise",
+    )  # fmt: skip
+    trainer.policy = policy = LengthLogprobPolicy()
+    record = trainer.train_step()
+    ((batch, _),) = policy.updates
+    assert (record.replay_priorities_updated, record.replay_priorities_status) == (4, "updated")
+    shortest = int(batch.loss_mask[batch.replayed].sum(dim=1).min())
+    client = redis.Redis.from_url(redis_url)
+    expected = {}
+    for group, q in enumerate(QUESTIONS):  # B = 2 unshuffled: group g is QUESTIONS[g]
+        lengths = sorted(tokens for replayed, tokens, _, _ in rows_of_group(batch, group) if replayed)
+        assert len(lengths) == 2  # "so \boxed{..}" is 3 tokens longer than "\boxed{..}"
+        key = f"{pool_prefix(pool_name)}:q:{q.question_id}:prio"
+        for prefix, tokens in zip(("", "so "), lengths, strict=True):
+            # 1 - exp(mean logprob); the shortest answer of all is certain (0), raised to the floor (0.05).
+            expected[q.question_id, prefix] = max(0.05, 1 - math.exp(-0.3 * (tokens - shortest)))
+            tid = trajectory_id(q.question_id, f"{prefix}\\boxed{{{q.ground_truth}}}")
+            assert client.zscore(key, tid) == pytest.approx(expected[q.question_id, prefix], rel=1e-5), (q, prefix)
+    question = QUESTIONS[0]
+    drawn = [
+        replay_client.sample(pool_name, [question.question_id], m=1, strategy="prioritized", seed=seed)
+        for seed in range(400)
+    ]
+    longer = sum(found[question.question_id][0].response_text.startswith("so ") for found in drawn)
+    weights = expected[question.question_id, "so "], expected[question.question_id, ""]
+    share = weights[0] / sum(weights)
+    assert abs(longer / 400 - share) < 5 * math.sqrt(share * (1 - share) / 400), (longer, share)

@@ -1,0 +1,187 @@
+"""Issue 49, Stage 0: how many groups per step replay could rescue if the training questions were not memorised,
+from the archived baseline checkpoints, with no training (minutes, not hours).
+
+Late in issue 29's runs replay rescued ~0.05 groups per step (of 16): the policy had seen each of its 256 training
+questions ~30 times and solved nearly all of them. A rescue needs a fresh group with no success (G = 8 at T = 1,
+the protocol's sampling) on a question the pool holds (>= 2 correct of 64 at T = 0.7, top-p 0.95, the paper's
+collection). So for a checkpoint and a question set, with k8 and k64 the correct answers of those two draws,
+
+    predicted rescues per step = 16 x mean over questions of 1[k8 = 0] x 1[k64 >= 2]
+
+(the indicator of the observed draws is an unbiased estimate of each question's probability). On the training
+questions this must reproduce the measured ~0.05 (validation); on 1,000 held-out questions, which the checkpoint
+never trained on, it is the bound an unmemorised training set would give. The issue's gate: a bound >= 1 makes
+Stage 1 (768 training questions) worth running; < 0.3 means this task cannot emulate a persistent hard tail.
+
+    python -m rlep.experiments.protocol.stage0            # both checkpoints (~25 min on 2 cores), then the table
+    python -m rlep.experiments.protocol.stage0 --report-only
+
+Each finished (checkpoint, question set) is kept in work_dir/stage0/ and reused on a rerun; the table and JSON go
+to experiments/protocol/results/stage0.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from rlep.experiments.protocol import archive as archived
+from rlep.experiments.protocol.config import ProtocolConfig, run_config
+from rlep.experiments.protocol.pool import machine
+from rlep.experiments.protocol.training import shared_warmup
+
+CHECKPOINTS = ("baseline-s0-step_480", "baseline-s0-step_240")  # the pool's policy (final), then half-way
+HELD_OUT = 1000
+FRESH = {"n": 8, "temperature": 1.0, "top_p": 1.0}  # the protocol's fresh group (G = 8, T = 1)
+POOL = {"n": 64, "temperature": 0.7, "top_p": 0.95}  # the paper's collection
+MIN_POOL_SUCCESSES = 2  # the collection's rule: a question is in the pool with >= 2 correct of 64
+QUESTIONS_PER_STEP = 16
+CHUNK = 64  # questions per Generate call
+RESULTS = Path("experiments/protocol/results/stage0.json")
+
+
+def question_sets(cfg: ProtocolConfig) -> dict[str, list]:
+    """The 256 training questions the runs trained on and 1,000 held-out ones (the eval split's first)."""
+    from rlep.services.demo.task import make_problems, write_parquet
+    from rlep.services.learner.cursor import load_questions
+
+    folder = cfg.work_dir / "stage0"
+    folder.mkdir(parents=True, exist_ok=True)
+    sets = {
+        "train": make_problems(cfg.train_questions, 0, "train", cfg.terms, cfg.max_value),
+        "held-out": make_problems(cfg.eval_questions, 0, "eval", cfg.terms, cfg.max_value)[:HELD_OUT],
+    }
+    out = {}
+    for name, problems in sets.items():
+        write_parquet(problems, folder / f"{name}.parquet")
+        out[name] = load_questions([folder / f"{name}.parquet"])
+    return out
+
+
+def correct_counts(services, tokenizer, questions, sampling: dict, max_tokens: int, seed: int) -> list[int]:
+    """Correct answers per question among `sampling["n"]` sampled with the served weights."""
+    from rlep.common.types import Verdict
+    from rlep.services.rollout.types import Sampling
+    from rlep.services.verifier.client import verify_groups
+
+    counts = []
+    for index, start in enumerate(range(0, len(questions), CHUNK)):
+        chunk = questions[start : start + CHUNK]
+        prompts = [tokenizer.encode_prompt(q.chat()).token_ids for q in chunk]
+        completions = services.rollout.generate(
+            prompts, Sampling(**sampling, max_tokens=max_tokens, seed=seed * 1_000_003 + index)
+        )
+        groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
+        verified = verify_groups(services.verifier, groups, [q.data_source for q in chunk])
+        counts += [sum(o.verdict == Verdict.CORRECT for o in outcomes) for outcomes in verified]
+    return counts
+
+
+def figures(k8: list[int], k64: list[int]) -> dict:
+    """The predictor and its parts, each with a 95% normal interval over questions (hundreds of them)."""
+    n = len(k8)
+
+    def mean_ci(values: list[float], scale: float = 1.0) -> list[float]:
+        mean = sum(values) / n
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+        half = 1.96 * sd / math.sqrt(n)
+        return [round(scale * mean, 4), round(scale * (mean - half), 4), round(scale * (mean + half), 4)]
+
+    rescuable = [float(a == 0 and b >= MIN_POOL_SUCCESSES) for a, b in zip(k8, k64, strict=True)]
+    return {
+        "questions": n,
+        "predicted_rescues_per_step [mean, lo95, hi95]": mean_ci(rescuable, QUESTIONS_PER_STEP),
+        "fresh pass@1 (T=1)": mean_ci([a / FRESH["n"] for a in k8]),
+        "P(0 of 8 correct)": mean_ci([float(a == 0) for a in k8]),
+        "P(in pool: >= 2 of 64 correct at T=0.7)": mean_ci([float(b >= MIN_POOL_SUCCESSES) for b in k64]),
+        "P(0 of 8 and in pool)": mean_ci(rescuable),
+    }
+
+
+def run(cfg: ProtocolConfig) -> dict:
+    from rlep.common.ray_local import init_ray
+    from rlep.services.launch.stack import ServiceStack
+    from rlep.services.learner.collect import push_checkpoint
+    from rlep.services.learner.tokens import PolicyTokenizer
+
+    warm, _ = shared_warmup(cfg, build=False)
+    sets = question_sets(cfg)
+    folder = cfg.work_dir / "stage0"
+    out: dict = {}
+    init_ray()
+    base = run_config(cfg, "stage0", cfg.seeds[0], 1, warm, "protocol-phase1", {})
+    stack = ServiceStack(base, warm, app_name="rlep-stage0-rollout")
+    services = stack.start(need_replay=False)
+    try:
+        for name in CHECKPOINTS:
+            model = folder / name
+            if not archived.restore_checkpoint(cfg.archive, name, model):
+                raise SystemExit(f"no archived checkpoint {name} under {cfg.archive}/models")
+            push_checkpoint(services.rollout, model)
+            tokenizer = PolicyTokenizer.load(model, base.data.max_prompt_tokens, cfg.max_response_tokens)
+            for split, questions in sets.items():
+                done = folder / f"{name}__{split}.json"
+                if not done.exists():
+                    k8 = correct_counts(services, tokenizer, questions, FRESH, cfg.max_response_tokens, seed=1)
+                    k64 = correct_counts(services, tokenizer, questions, POOL, cfg.max_response_tokens, seed=2)
+                    done.write_text(json.dumps({"k8": k8, "k64": k64, "machine": machine()}))
+                    print(f"{name} {split}: {figures(k8, k64)}", flush=True)
+                out.setdefault(name, {})[split] = json.loads(done.read_text())
+    finally:
+        stack.close()
+    return out
+
+
+def report(raw: dict) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Issue 49 Stage 0: predicted late rescues per step (16 questions, G = 8), no training")
+    for column in ("checkpoint", "questions", "fresh pass@1", "P(0 of 8)", "P(in pool)", "rescues / step, 95%"):
+        table.add_column(column)
+    summary: dict = {}
+    for name, splits in raw.items():
+        for split, counts in splits.items():
+            f = figures(counts["k8"], counts["k64"])
+            summary.setdefault(name, {})[split] = f | {"machine": counts["machine"]}
+            mean, lo, hi = f["predicted_rescues_per_step [mean, lo95, hi95]"]
+            table.add_row(
+                name, f"{split} ({f['questions']})", f"{f['fresh pass@1 (T=1)'][0]:.3f}",
+                f"{f['P(0 of 8 correct)'][0]:.3f}", f"{f['P(in pool: >= 2 of 64 correct at T=0.7)'][0]:.3f}",
+                f"{mean:.2f} [{lo:.2f}, {hi:.2f}]",
+            )  # fmt: skip
+    Console(width=160).print(table)
+    held = [s["held-out"]["predicted_rescues_per_step [mean, lo95, hi95]"][0] for s in summary.values()]
+    bound = max(held) if held else None
+    summary["bound"] = bound
+    summary["gate"] = (
+        None if bound is None
+        else "Stage 1 (>= 1 predicted rescue per step on unmemorised questions)" if bound >= 1
+        else "stop: this task cannot emulate a persistent hard tail (bound < 0.3)" if bound < 0.3
+        else "between 0.3 and 1: Stage 1 only with more training questions (2,048)"
+    )  # fmt: skip
+    print(f"bound (held-out, best checkpoint): {bound} -> {summary['gate']}")
+    RESULTS.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report-only", action="store_true", help="the table of what has finished")
+    args = parser.parse_args()
+    cfg = ProtocolConfig()
+    if args.report_only:
+        folder = cfg.work_dir / "stage0"
+        raw: dict = {}
+        for path in sorted(folder.glob("*__*.json")):
+            name, _, split = path.stem.partition("__")
+            raw.setdefault(name, {})[split] = json.loads(path.read_text())
+        report(raw)
+        return
+    report(run(cfg))
+
+
+if __name__ == "__main__":
+    main()
