@@ -123,10 +123,14 @@ def run(cfg: ProtocolConfig) -> dict:
             tokenizer = PolicyTokenizer.load(model, base.data.max_prompt_tokens, cfg.max_response_tokens)
             for split, questions in sets.items():
                 done = folder / f"{name}__{split}.json"
+                if cfg.archive:
+                    archived.restore_file(cfg.archive, f"stage0/{done.name}", done)
                 if not done.exists():
                     k8 = correct_counts(services, tokenizer, questions, FRESH, cfg.max_response_tokens, seed=1)
                     k64 = correct_counts(services, tokenizer, questions, POOL, cfg.max_response_tokens, seed=2)
                     done.write_text(json.dumps({"k8": k8, "k64": k64, "machine": machine()}))
+                    if cfg.archive:  # the counts per question, kept: the table is rebuilt from them anywhere
+                        archived.save_file(cfg.archive, f"stage0/{done.name}", done)
                     print(f"{name} {split}: {figures(k8, k64)}", flush=True)
                 out.setdefault(name, {})[split] = json.loads(done.read_text())
     finally:
@@ -156,11 +160,13 @@ def report(raw: dict) -> dict:
     held = [s["held-out"]["predicted_rescues_per_step [mean, lo95, hi95]"][0] for s in summary.values()]
     bound = max(held) if held else None
     summary["bound"] = bound
+    # The issue's gate, as written: < 0.3 stops; >= 1 allows Stage 1's repeat with 2,048 questions; Stage 1 runs
+    # otherwise, but its late rescues cannot be expected to reach the decision rule's >= 1 per step.
     summary["gate"] = (
         None if bound is None
-        else "Stage 1 (>= 1 predicted rescue per step on unmemorised questions)" if bound >= 1
         else "stop: this task cannot emulate a persistent hard tail (bound < 0.3)" if bound < 0.3
-        else "between 0.3 and 1: Stage 1 only with more training questions (2,048)"
+        else "Stage 1; if it predicts < 1 late rescue per step, repeat with 2,048 questions" if bound >= 1
+        else "Stage 1 may run, but even unmemorised questions give < 1 rescue per step: no repeat with 2,048"
     )  # fmt: skip
     print(f"bound (held-out, best checkpoint): {bound} -> {summary['gate']}")
     RESULTS.write_text(json.dumps(summary, indent=1))
@@ -173,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = ProtocolConfig()
     if args.report_only:
-        folder = cfg.work_dir / "stage0"
+        folder = cfg.archive / "stage0" if cfg.archive else cfg.work_dir / "stage0"
         raw: dict = {}
         for path in sorted(folder.glob("*__*.json")):
             name, _, split = path.stem.partition("__")
