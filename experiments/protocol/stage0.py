@@ -15,6 +15,7 @@ Stage 1 (768 training questions) worth running; < 0.3 means this task cannot emu
 
     python -m rlep.experiments.protocol.stage0            # both checkpoints (~25 min on 2 cores), then the table
     python -m rlep.experiments.protocol.stage0 --report-only
+    python -m rlep.experiments.protocol.stage0 --stage1   # Stage 1: a 768-question baseline (~25 min), predictor
 
 Each finished (checkpoint, question set) is kept in work_dir/stage0/ and reused on a rerun; the table and JSON go
 to experiments/protocol/results/stage0.json.
@@ -206,7 +207,8 @@ def report(raw: dict, results: Path = RESULTS) -> dict:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Issue 49 Stage 0: predicted late rescues per step (16 questions, G = 8), no training")
+    stage = "Stage 0" if any("held-out" in splits for splits in raw.values()) else "Stage 1"
+    table = Table(title=f"Issue 49 {stage}: predicted rescues per step (16 questions, G = 8) from checkpoints")
     for column in ("checkpoint", "questions", "fresh pass@1", "P(0 of 8)", "P(in pool)", "rescues / step, 95%"):
         table.add_column(column)
     summary: dict = {}
