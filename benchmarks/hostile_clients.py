@@ -1,7 +1,9 @@
 """Issue 31's hostile-client campaign, re-run, and issue 46's: what each item that broke does now, against
-`rlep serve` processes; and issue 50's hostile tool code against the sandbox (`--only sandbox`).
+`rlep serve` processes, the health port (`--health-port`) among them (`--only healthport`); and issue 50's hostile
+tool code against the sandbox (`--only sandbox`).
 
-Every service starts as an operator starts it (`rlep serve <svc>` on loopback, default settings, no auth), and is
+Every service starts as an operator starts it (`rlep serve <svc>` on loopback, default settings, no auth; `mixed` and
+`healthport` add `--health-port`, as compose and Helm do), and is
 attacked as the issues' campaigns did (one module per service in `benchmarks/hostile/`). Per item it records what a
 caller now gets (status codes, latencies of the other callers, recovery times, exit codes, resident memory); where an
 item has bounds, its figures carry `bounds` and `met` (each figure at most its bound). The JSON goes to
