@@ -131,17 +131,16 @@ def predict(cfg: ProtocolConfig, services, model: Path, name: str, sets: dict, f
     from rlep.services.learner.collect import push_checkpoint
     from rlep.services.learner.tokens import PolicyTokenizer
 
-    pushed = False
+    tokenizer = None  # the checkpoint is pushed, and its tokenizer loaded, once a set needs sampling
     out = {}
     for split, questions in sets.items():
         done = folder / f"{name}__{split}.json"
         if cfg.archive:
             archived.restore_file(cfg.archive, f"{kept_as}/{done.name}", done)
         if not done.exists():
-            if not pushed:
+            if tokenizer is None:
                 push_checkpoint(services.rollout, model)
-                pushed = True
-            tokenizer = PolicyTokenizer.load(model, 1024, cfg.max_response_tokens)
+                tokenizer = PolicyTokenizer.load(model, 1024, cfg.max_response_tokens)
             k8 = correct_counts(services, tokenizer, questions, FRESH, cfg.max_response_tokens, seed=1)
             k64 = correct_counts(services, tokenizer, questions, POOL, cfg.max_response_tokens, seed=2)
             done.write_text(json.dumps({"k8": k8, "k64": k64, "machine": machine()}))

@@ -110,9 +110,9 @@ class StoredTrajectory:
 
 
 # One add's Lua call: ~500 rows took 25-130 ms where 20,000 rows held Redis for 1-5 s (issue 31).
-PRIORITY_CHUNK = 1024  # priority updates per pair of pipelines
 ADD_CHUNK_ROWS = 500
 ADD_CHUNK_BYTES = 8 * 1024 * 1024
+PRIORITY_CHUNK = 1024  # priority updates per pair of pipelines (a read, then the writes)
 
 
 def _chunks(
@@ -292,11 +292,14 @@ class RedisReplayStore:
             pipe = self.client.pipeline(transaction=False)
             for qid, tid, _ in chunk:
                 key = f"{prefix}:q:{qid}:prio"
-                pipe.zscore(key, tid) if tid else pipe.zrange(key, 0, -1)
+                if tid:
+                    pipe.zscore(key, tid)  # None when the trajectory is not there
+                else:
+                    pipe.zrange(key, 0, -1)  # every trajectory of the question
             found = pipe.execute()
             pipe = self.client.pipeline(transaction=False)
-            for (qid, tid, priority), listed in zip(chunk, found, strict=True):
-                present = ([tid] if listed is not None else []) if tid else [t.decode() for t in listed]
+            for (qid, tid, priority), reply in zip(chunk, found, strict=True):
+                present = ([tid] if reply is not None else []) if tid else [t.decode() for t in reply]
                 if present:
                     pipe.zadd(f"{prefix}:q:{qid}:prio", {t: priority for t in present}, xx=True)
                 updated += len(present)

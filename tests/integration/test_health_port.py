@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlep.common.config import ServerConfig
 from rlep.common.grpc_server import build_server
 from rlep.common.health_port import HealthPort, private_socket
+from tests.silent_stream import Silent
 
 pytestmark = pytest.mark.integration
 
@@ -105,20 +106,6 @@ def test_the_health_port_answers_while_the_data_port_is_wedged_then_says_not_ser
         data.close()
         side.stop()
         server.stop(0).wait()
-
-
-class Silent:
-    """A Check's request stream that sends nothing until released (the call's headers go out, its message never)."""
-
-    def __init__(self, release: threading.Event):
-        self.release = release
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.release.wait()
-        raise StopIteration
 
 
 def test_hostile_callers_of_the_health_port_cost_it_nothing():

@@ -19,24 +19,11 @@ from rlep.replay.v1 import replay_pb2, replay_pb2_grpc
 from rlep.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlep.services.replay.client import ReplayClient
 from tests.service_process import start_service
+from tests.silent_stream import Silent
 
 pytestmark = pytest.mark.integration
 IDLE_TIMEOUT_S = 2.0
 ANSWER_WITHIN_S = 1.0
-
-
-class Silent:
-    """A request iterator that sends nothing until released: a stream opened and left idle, with no deadline."""
-
-    def __init__(self, release: threading.Event):
-        self._release = release
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self._release.wait()
-        raise StopIteration
 
 
 def open_idle_streams(method, count: int, release: threading.Event, admitted: int) -> list[grpc.Future]:
