@@ -97,8 +97,10 @@ def pytest_terminal_summary(terminalreporter):
     write("  ".join(f"{folder} {seconds:.0f} s" for folder, seconds in by_folder.most_common()))
     for path, seconds in _seconds_by_file.most_common(SLOWEST_FILES_SHOWN):
         write(f"{seconds:8.1f} s  {path}")
-    # Every file's seconds, for comparing two runs file by file: .pytest_cache/v/rlep/seconds_by_file
-    terminalreporter.config.cache.set("rlep/seconds_by_file", dict(_seconds_by_file.most_common()))
+    # Every file's seconds, for comparing two runs file by file: .pytest_cache/v/rlep/seconds_by_file (not kept
+    # under `-p no:cacheprovider`, as the GPU check's pytest runs)
+    if (cache := getattr(terminalreporter.config, "cache", None)) is not None:
+        cache.set("rlep/seconds_by_file", dict(_seconds_by_file.most_common()))
 
 
 def read_jsonl(path: Path) -> list[dict]:
