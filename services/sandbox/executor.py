@@ -28,13 +28,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from rlep.services.sandbox.config import SandboxConfig
+from rlep.services.sandbox.types import Status, ToolResult
 
-Status = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed", "sandbox_failure"]
 ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8", "PATH": "/usr/bin:/bin", "HOME": "/work"}
 # Lines of Python's traceback that say which limit a call hit (its exception is the only sign of some).
 MEMORY_SIGNS = ("MemoryError",)
@@ -42,24 +40,6 @@ FILE_SIZE_SIGNS = ("[Errno 27] File too large", "OSError: [Errno 27]")
 BWRAP_MESSAGE = "bwrap: "
 KILL_GRACE_S = 2.0
 """After the code's processes are killed on a timeout, how long bwrap has to reap them and exit."""
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """What one call did. `status` is one of `Status`; `detail` says why in one line for anything but `ok`."""
-
-    status: Status
-    exit_code: int | None
-    """The interpreter's exit status; None when it was killed by a signal (see `signal`)."""
-    signal: int | None
-    stdout: str
-    stderr: str
-    truncated: bool
-    """stdout or stderr was longer than `max_output_bytes` and was cut."""
-    duration_s: float
-    isolation: str
-    detail: str = ""
-    cached: bool = False
 
 
 def cache_key(code: str, config: SandboxConfig) -> str:

@@ -12,7 +12,8 @@ from collections import Counter, OrderedDict
 from dataclasses import replace
 
 from rlep.services.sandbox.config import SandboxConfig
-from rlep.services.sandbox.executor import ToolResult, cache_key, check_code, run_code
+from rlep.services.sandbox.executor import cache_key, check_code, run_code
+from rlep.services.sandbox.types import ToolResult
 
 UNCACHED = ("timeout", "sandbox_failure")  # depend on the machine's load or state, not on the code
 

@@ -1,0 +1,247 @@
+"""Multi-turn rollouts with a tool, token in and token out (issue 50).
+
+An episode is a policy answering in turns. It writes; it may call the tool by writing code between `call_open` and
+`call_close` (`<code>print(3 * 7)</code>`); generation stops at `call_close`, the code runs in the sandbox, and
+its output, between `output_open` and `output_close`, is appended before the policy goes on. At most `max_calls`
+calls and `max_response_tokens` tokens per episode (the policy's and the tool's together).
+
+Token in, token out: the top bug class in peers' multi-turn RL is drift between the tokens sampled and the tokens
+trained, from rendering the conversation again as text between turns (verl #3720, #3960, PR #6921). Here the ids
+the engine sampled are kept as they came back, every continuation is sent as token ids (Generate's TokenPrompt),
+and only the tool's output is ever tokenised. An episode is its segments in order: what the policy sampled, with
+the engine's logprobs, and what the tool answered, whose tokens get loss mask 0 (they never enter the loss or an
+importance ratio: `ToolEpisode.loss_mask`, `behavior_logprobs`).
+
+Where the loop runs: here, in the learner, over rollout's Generate, not inside the rollout service. The service
+stays an engine behind its contract, the tool code runs in the sandbox and never beside the weights, and a turn
+costs one Generate call for all the episodes that go on (one per distinct token budget left).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+from pydantic import Field
+
+from rlep.common.config import StrictModel
+from rlep.common.types import FinishReason
+from rlep.services.rollout.types import Completion, SampleOut, Sampling
+from rlep.services.sandbox.types import ToolResult
+
+Finish = Literal["answer", "length", "call_limit", "void"]
+"""Why an episode ended: the policy answered (ended a turn without a call), the token budget ran out, it asked for
+a call past `max_calls` (not run), or a void turn: it closed a call it never opened (SimpleTIR's "void turn")."""
+
+
+class ToolLoopConfig(StrictModel):
+    """How episodes call the tool; the markers are plain text the policy writes and reads."""
+
+    max_calls: int = Field(4, ge=0, le=64)
+    """Tool calls per episode; a turn that asks for one more ends the episode (`call_limit`)."""
+    max_response_tokens: int = Field(1024, ge=1)
+    """The policy's and the tool's tokens together, per episode."""
+    max_output_tokens: int = Field(256, ge=8)
+    """Tokens of one tool output, its markers included; a longer output is cut and ends with `truncated_mark`."""
+    call_open: str = Field("<code>", min_length=1)
+    call_close: str = Field("</code>", min_length=1)
+    output_open: str = "<output>\n"
+    output_close: str = "\n</output>\n"
+    truncated_mark: str = "\n[output truncated]"
+    tool_workers: int = Field(4, ge=1, le=64)
+    """Tool calls this loop has in flight at once (the sandbox bounds its own concurrency and each caller's too)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    source: Literal["policy", "tool"]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    """The engine's logprob of each sampled token: policy segments only."""
+    policy_version: int | None = None
+    """The weights that sampled a policy segment (a weight push between turns shows as two versions)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    code: str
+    status: str
+    """The sandbox's `Status` ("ok", "error", "timeout", ...)."""
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    truncated: bool
+    """The sandbox cut the output, or it was cut to `max_output_tokens` here."""
+
+
+@dataclass
+class ToolEpisode:
+    prompt_token_ids: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    finish: Finish | None = None
+    """None while the episode goes on."""
+
+    @property
+    def response_token_ids(self) -> list[int]:
+        return [token for segment in self.segments for token in segment.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """Per response token: 1 where the policy sampled it, 0 where the tool wrote it."""
+        return [int(s.source == "policy") for s in self.segments for _ in s.token_ids]
+
+    @property
+    def behavior_logprobs(self) -> list[float]:
+        """Per response token: the engine's logprob where the policy sampled it, NaN where the tool wrote it."""
+        return [
+            lp
+            for s in self.segments
+            for lp in (s.logprobs if s.logprobs is not None else [math.nan] * len(s.token_ids))
+        ]
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return sorted({s.policy_version for s in self.segments if s.policy_version is not None})
+
+
+class Tokenizer(Protocol):
+    """What the loop needs of a tokenizer (a transformers tokenizer has both)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+Generate = Callable[[Sequence[Sequence[int]], Sampling], list[Completion]]
+"""`RolloutClient.generate` with token-id prompts."""
+RunCode = Callable[[str, str], ToolResult]
+"""`Sandbox.run(code, caller)`."""
+
+
+def run_episodes(
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    generate: Generate,
+    run_code: RunCode,
+    tokenizer: Tokenizer,
+    config: ToolLoopConfig,
+) -> list[list[ToolEpisode]]:
+    """`sampling.n` episodes per prompt (token ids, the chat template already applied), in order. The first turn
+    is one Generate call for every prompt; each later turn one call per distinct budget left, with n = 1 per
+    episode and a seed of its own (derived from `sampling.seed`, so a seeded call is reproducible)."""
+    markers = _MarkerIds(tokenizer, config)
+    stop = tuple(dict.fromkeys((*sampling.stop, config.call_close)))
+    first = generate(
+        prompts, replace(sampling, stop=stop, max_tokens=min(sampling.max_tokens, config.max_response_tokens))
+    )
+    episodes = [[ToolEpisode(list(p)) for _ in c.samples] for p, c in zip(prompts, first, strict=True)]
+    turns = [(e, s) for group, c in zip(episodes, first, strict=True) for e, s in zip(group, c.samples, strict=True)]
+    with ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool-call") as pool:
+        for turn in range(config.max_calls + 1):  # turn t can make an episode's call t + 1 at most: bounded
+            calls = [(e, code) for e, sample in turns if (code := _take_turn(e, sample, tokenizer, config)) is not None]
+            callers = [f"episode-{i}" for i in range(len(calls))]
+            results = list(pool.map(run_code, [code for _, code in calls], callers))
+            for (episode, code), result in zip(calls, results, strict=True):
+                _append_output(episode, code, result, tokenizer, markers, config)
+            going = [e for e, _ in calls if e.finish is None]
+            if not going:
+                break
+            by_budget: dict[int, list[ToolEpisode]] = {}
+            for episode in going:
+                by_budget.setdefault(config.max_response_tokens - len(episode.response_token_ids), []).append(episode)
+            turns = []
+            for budget, group in sorted(by_budget.items()):
+                seed = None if sampling.seed is None else _turn_seed(sampling.seed, turn, budget)
+                asked = replace(sampling, n=1, stop=stop, max_tokens=budget, seed=seed)
+                completions = generate([e.prompt_token_ids + e.response_token_ids for e in group], asked)
+                turns += [(e, c.samples[0]) for e, c in zip(group, completions, strict=True)]
+    return episodes
+
+
+def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, config: ToolLoopConfig) -> str | None:
+    """Appends the policy's turn as sampled; returns the code it asks to run, or None once the episode has ended.
+    The turn is read from its own ids, decoded here: vLLM's text leaves out a stop string, its ids do not."""
+    ids = tuple(sample.token_ids)
+    episode.segments.append(Segment("policy", ids, tuple(sample.logprobs), sample.policy_version))
+    text = tokenizer.decode(list(ids))
+    close = text.find(config.call_close)
+    if close < 0:
+        ran_out = sample.finish_reason == FinishReason.LENGTH
+        ran_out |= len(episode.response_token_ids) >= config.max_response_tokens
+        episode.finish = "length" if ran_out else "answer"
+        return None
+    opened = text.rfind(config.call_open, 0, close)
+    if opened < 0:
+        episode.finish = "void"
+    elif len(episode.calls) >= config.max_calls:
+        episode.finish = "call_limit"
+    elif len(episode.response_token_ids) >= config.max_response_tokens:
+        episode.finish = "length"
+    else:
+        return text[opened + len(config.call_open) : close]
+    return None
+
+
+class _MarkerIds:
+    """The output markers' token ids, tokenised once; refuses a `max_output_tokens` they leave no room in."""
+
+    def __init__(self, tokenizer: Tokenizer, config: ToolLoopConfig):
+        self.open = tokenizer.encode(config.output_open, add_special_tokens=False)
+        self.close = tokenizer.encode(config.output_close, add_special_tokens=False)
+        self.truncated = tokenizer.encode(config.truncated_mark, add_special_tokens=False)
+        self.room = config.max_output_tokens - len(self.open) - len(self.close) - len(self.truncated)
+        if self.room < 1:
+            raise ValueError(
+                f"tool_loop.max_output_tokens={config.max_output_tokens} leaves no room for output: its markers take "
+                f"{config.max_output_tokens - self.room} tokens with this tokenizer"
+            )
+
+
+def tool_output_text(result: ToolResult) -> str:
+    """What the policy reads of a call: stdout, then stderr, then why it stopped when it did not end normally."""
+    text = result.stdout + result.stderr
+    if result.status not in ("ok", "error"):
+        text += f"\n[{result.status}: {result.detail}]" if result.detail else f"\n[{result.status}]"
+    return text
+
+
+def _append_output(
+    episode: ToolEpisode,
+    code: str,
+    result: ToolResult,
+    tokenizer: Tokenizer,
+    markers: _MarkerIds,
+    config: ToolLoopConfig,
+) -> None:
+    body = tokenizer.encode(tool_output_text(result), add_special_tokens=False)
+    cut = len(body) > markers.room + len(markers.truncated)
+    if cut:
+        body = body[: markers.room] + markers.truncated
+    ids = markers.open + body + markers.close
+    left = config.max_response_tokens - len(episode.response_token_ids)
+    if len(ids) >= left:  # the budget ends inside the output: the episode ends with the cut output
+        ids, episode.finish = ids[:left], "length"
+    episode.segments.append(Segment("tool", tuple(ids)))
+    episode.calls.append(
+        ToolCall(
+            code,
+            result.status,
+            result.exit_code,
+            result.stdout,
+            result.stderr,
+            result.duration_s,
+            result.truncated or cut,
+        )  # fmt: skip
+    )
+
+
+def _turn_seed(seed: int, turn: int, budget: int) -> int:
+    """The seed of a later turn's call: its own stream, reproducible from the episode call's seed."""
+    digest = hashlib.sha256(f"{seed}:tool-turn:{turn}:{budget}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2

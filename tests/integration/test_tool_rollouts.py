@@ -1,0 +1,85 @@
+"""Multi-turn tool episodes on the real engine and the real sandbox (issue 50): the logprobs vLLM gave every token
+the policy sampled, in every turn, equal a transformers forward over the episode's ids as they stand, prompt,
+policy turns and tool outputs together: what the learner will score. Nothing was rendered again as text.
+
+The tiny model writes random characters, so the markers here are one character each, `(` and `)`: of 128 episodes
+about 20 make a call and go on after it (22 measured). The code between is mostly not Python, and the sandbox's
+error is what the policy reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlep.services.learner.tool_rollouts import ToolLoopConfig, run_episodes, tool_output_text
+from rlep.services.rollout.types import Sampling
+from rlep.services.sandbox.config import SandboxConfig
+from rlep.services.sandbox.sandbox import Sandbox
+from rlep.services.weights.transport import StreamTransport
+
+pytestmark = pytest.mark.integration
+
+# Short output markers and outputs (a traceback cut to 24 tokens): more turns fit in the engine's 512 tokens.
+CONFIG = ToolLoopConfig(call_open="(", call_close=")", output_open="[", output_close="]", truncated_mark="~",
+                        max_calls=3, max_response_tokens=320, max_output_tokens=24)  # fmt: skip
+
+
+@pytest.fixture
+def known_weights(rollout, rollout_client):
+    """The engine loaded with the tiny model's own weights under a new version (other tests push others), and the
+    same model in transformers (float32 both)."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(rollout.engine.model_path, dtype=torch.float32).eval()
+    state = {name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    version = rollout.engine.version + 1
+    [reply] = rollout_client.push_weights(state, version, transport=StreamTransport())
+    assert reply.version == version
+    return model, version
+
+
+def test_tool_episodes_are_token_exact_on_the_engine_and_the_sandbox_runs_each_call(
+    rollout, rollout_client, known_weights
+):
+    model, version = known_weights
+    tokenizer = rollout.engine.tokenizer
+    prompts = [tokenizer.encode(q, add_special_tokens=False) for q in ("Q: 7*8=?\nA: ", "Q: 9+4=?\nA: ")]
+    sandbox = Sandbox(SandboxConfig(cpu_seconds=2, wall_seconds=5))
+    sampling = Sampling(n=64, temperature=1.0, max_tokens=320, seed=5)
+    groups = run_episodes(prompts, sampling, rollout_client.generate, sandbox.run, tokenizer, CONFIG)
+    episodes = [e for group in groups for e in group]
+    assert [len(group) for group in groups] == [64, 64] and all(e.prompt_token_ids == prompts[1] for e in groups[1])
+
+    went_on = [e for e in episodes if e.calls and e.segments[-1].source == "policy"]
+    assert len(went_on) >= 3, [(e.finish, len(e.calls)) for e in episodes]
+    assert {e.finish for e in episodes} <= {"answer", "length", "call_limit", "void"}
+    worst = 0.0
+    for episode in episodes:
+        prompt, ids = episode.prompt_token_ids, episode.response_token_ids
+        assert len(ids) <= CONFIG.max_response_tokens and episode.policy_versions == [version]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
+        mask = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        behavior = torch.tensor(episode.behavior_logprobs)
+        assert torch.isnan(behavior[~mask]).all() and torch.isfinite(behavior[mask]).all()
+        worst = max(worst, (behavior[mask] - expected[mask]).abs().max().item())
+        tools = [s for s in episode.segments if s.source == "tool"]
+        assert len(tools) == len(episode.calls) <= CONFIG.max_calls
+        for segment, call in zip(tools, episode.calls, strict=True):
+            # The sandbox ran it: its answer, tokenised alone, is what the policy read (cut where too long).
+            assert call.status in ("ok", "error") and call.duration_s > 0
+            shown = tokenizer.decode(list(segment.token_ids))
+            assert shown.startswith(CONFIG.output_open)
+            body = tool_output_text_from(call)
+            assert shown[len(CONFIG.output_open) :].startswith(body[:20])
+    assert worst < 1e-4, f"max |vLLM - transformers| logprob difference over policy tokens {worst}"
+    assert any("Error" in call.stderr for e in episodes for call in e.calls)  # mostly not Python
+
+
+def tool_output_text_from(call) -> str:
+    from rlep.services.sandbox.types import ToolResult
+
+    return tool_output_text(ToolResult(call.status, call.exit_code, None, call.stdout, call.stderr, call.truncated,
+                                       call.duration_s, "bubblewrap"))  # fmt: skip

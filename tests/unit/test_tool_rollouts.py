@@ -1,0 +1,159 @@
+"""The tool loop's logic (issue 50) against a scripted engine: turns, calls, masks, budgets, cut outputs, void turns.
+The engine here stands for vLLM in the one way that matters to the loop: a stop string's tokens are in the ids it
+returns. The real engine and sandbox are in tests/integration/test_tool_rollouts.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlep.common.types import FinishReason
+from rlep.services.learner.tool_rollouts import ToolLoopConfig, run_episodes, tool_output_text
+from rlep.services.rollout.types import Completion, SampleOut, Sampling
+from rlep.services.sandbox.types import ToolResult
+
+
+class Chars:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+CHARS = Chars()
+PROMPT = "Q: 6*7?\nA: "
+
+
+class ScriptedEngine:
+    """Answers each episode's turns from `turns` in order (a turn is known by the output markers in its prompt);
+    stops after a stop string or at max_tokens, as vLLM does: the stop string's tokens are in the ids, not the text."""
+
+    def __init__(self, turns: list[str], close: str = "\n</output>\n"):
+        self.turns, self.close, self.calls = turns, close, []
+
+    def __call__(self, prompts, sampling: Sampling) -> list[Completion]:
+        self.calls.append(([CHARS.decode(p) for p in prompts], sampling))
+        out = []
+        for prompt in prompts:
+            text = self.turns[CHARS.decode(prompt).count(self.close)]
+            finish = FinishReason.STOP
+            ends = [text.find(s) + len(s) for s in sampling.stop if s in text]
+            if ends:
+                text = text[: min(ends)]
+            if len(text) > sampling.max_tokens:
+                text, finish = text[: sampling.max_tokens], FinishReason.LENGTH
+            ids = CHARS.encode(text)
+            shown = text[: text.find(sampling.stop[-1])] if sampling.stop[-1] in text else text  # vLLM drops it
+            out.append(Completion(list(prompt), [SampleOut(ids, shown, [-0.5] * len(ids), finish, 3)] * sampling.n))
+        return out
+
+
+def ran(stdout: str = "42\n", status: str = "ok", stderr: str = "", detail: str = "", truncated: bool = False):
+    calls = []
+
+    def run_code(code: str, caller: str) -> ToolResult:
+        calls.append((code, caller))
+        return ToolResult(
+            status, 0 if status == "ok" else 1, None, stdout, stderr, truncated, 0.01, "bubblewrap", detail
+        )
+
+    return run_code, calls
+
+
+def episodes(turns, run_code, n: int = 1, **config):
+    engine = ScriptedEngine(turns)
+    out = run_episodes([CHARS.encode(PROMPT)], Sampling(n=n, max_tokens=200), engine, run_code, CHARS,
+                       ToolLoopConfig(**config))  # fmt: skip
+    return out[0], engine
+
+
+def test_a_call_runs_its_code_and_the_policy_goes_on_from_the_exact_tokens():
+    run_code, calls = ran()
+    [episode], engine = episodes(["Let me see <code>print(6*7)</code> (ignored)", " so \\boxed{42}"], run_code)
+    assert calls == [("print(6*7)", "episode-0")]
+    policy_1, tool = "Let me see <code>print(6*7)</code>", "<output>\n42\n\n</output>\n"
+    assert CHARS.decode(episode.response_token_ids) == policy_1 + tool + " so \\boxed{42}"
+    assert episode.loss_mask == [1] * len(policy_1) + [0] * len(tool) + [1] * len(" so \\boxed{42}")
+    logprobs = episode.behavior_logprobs
+    assert all(math.isnan(lp) for lp in logprobs[len(policy_1) : len(policy_1) + len(tool)])
+    assert all(lp == -0.5 for i, lp in enumerate(logprobs) if episode.loss_mask[i])
+    assert episode.finish == "answer" and episode.policy_versions == [3]
+    [call] = episode.calls
+    assert (call.code, call.status, call.stdout, call.truncated) == ("print(6*7)", "ok", "42\n", False)
+    # The second turn is asked as token ids: the prompt and every token so far, nothing rendered again.
+    [(first_prompts, first), (second_prompts, second)] = engine.calls
+    assert first.stop == ("</code>",) and first_prompts == [PROMPT]
+    assert second_prompts == [PROMPT + policy_1 + tool] and second.n == 1
+    assert second.max_tokens == 1024 - len(policy_1) - len(tool)
+
+
+def test_an_answer_without_a_call_is_one_policy_segment():
+    run_code, calls = ran()
+    [first, second], _ = episodes(["\\boxed{42}"], run_code, n=2)
+    assert calls == [] and first.finish == second.finish == "answer"
+    assert first.loss_mask == [1] * len("\\boxed{42}") and len(first.segments) == 1
+
+
+def test_a_call_past_max_calls_ends_the_episode_unrun():
+    run_code, calls = ran()
+    [episode], _ = episodes(["<code>a=1</code>", "<code>b=2</code>", "done"], run_code, max_calls=1)
+    assert [code for code, _ in calls] == ["a=1"]
+    assert episode.finish == "call_limit" and len(episode.calls) == 1
+    assert [s.source for s in episode.segments] == ["policy", "tool", "policy"]
+
+
+def test_closing_a_call_never_opened_is_a_void_turn():
+    run_code, calls = ran()
+    [episode], _ = episodes(["no code here</code>", "unreached"], run_code)
+    assert calls == [] and episode.finish == "void" and len(episode.segments) == 1
+
+
+def test_a_long_output_is_cut_to_its_token_budget_and_says_so():
+    run_code, _ = ran(stdout="x" * 10_000)
+    [episode], _ = episodes(["<code>print('x'*10000)</code>", "ok"], run_code, max_output_tokens=64)
+    tool = CHARS.decode(episode.segments[1].token_ids)
+    assert len(tool) == 64 and tool.startswith("<output>\nxxx") and tool.endswith("\n[output truncated]\n</output>\n")
+    assert episode.calls[0].truncated and episode.finish == "answer"
+
+
+def test_the_response_budget_counts_tool_tokens_and_ends_the_episode():
+    run_code, _ = ran(stdout="y" * 100)
+    [episode], _ = episodes(["<code>1</code>", "never asked"], run_code, max_response_tokens=40)
+    assert len(episode.response_token_ids) == 40 and episode.finish == "length"
+    assert [s.source for s in episode.segments] == ["policy", "tool"]
+
+
+def test_a_turn_cut_by_max_tokens_is_length():
+    run_code, _ = ran()
+    [episode], _ = episodes(["z" * 300], run_code)
+    assert episode.finish == "length" and len(episode.response_token_ids) == 200
+
+
+def test_a_stopped_call_shows_why_to_the_policy():
+    result = ToolResult("timeout", None, 9, "partial\n", "", False, 10.0, "bubblewrap", "wall clock 10 s")
+    assert tool_output_text(result) == "partial\n\n[timeout: wall clock 10 s]"
+    error = ToolResult("error", 1, None, "", "NameError: x\n", False, 0.1, "bubblewrap", "exit status 1")
+    assert tool_output_text(error) == "NameError: x\n"  # the traceback says it
+
+
+def test_markers_that_leave_no_room_for_output_are_refused():
+    run_code, _ = ran()
+    with pytest.raises(ValueError, match="leaves no room for output"):
+        episodes(["<code>1</code>"], run_code, max_output_tokens=30)
+
+
+def test_later_turns_are_seeded_from_the_call_and_differ_by_turn():
+    def seeds(seed):
+        run_code, _ = ran()
+        engine = ScriptedEngine(["<code>1</code>", "<code>2</code>", "end"])
+        run_episodes([CHARS.encode(PROMPT)], Sampling(max_tokens=200, seed=seed), engine, run_code, CHARS,
+                     ToolLoopConfig())  # fmt: skip
+        return [sampling.seed for _, sampling in engine.calls]
+
+    first = seeds(7)
+    assert first == seeds(7) and first[0] == 7 and len(set(first)) == 3
+    assert seeds(None) == [None, None, None]
