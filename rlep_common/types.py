@@ -62,10 +62,21 @@ class Trajectory:
     created_at_ms: int = 0
     tokenizer_fingerprint: str = ""
     """Which tokenizer made the token ids (`rlep.services.learner.tokens.tokenizer_fingerprint`); "" = unknown."""
+    response_mask: tuple[int, ...] = ()
+    """Per response token of a tool episode: 1 where the policy sampled it, 0 where a tool wrote it (never trained
+    on, never in an importance ratio); empty = every response token was sampled (a single-turn answer)."""
 
     def __post_init__(self) -> None:
         if not self.question_id:
             raise ValueError("question_id must be non-empty")
+        if self.response_mask:
+            if len(self.response_mask) != len(self.response_token_ids):
+                raise ValueError(
+                    f"response_mask ({len(self.response_mask)}) and response_token_ids "
+                    f"({len(self.response_token_ids)}) must have the same length"
+                )
+            if not set(self.response_mask) <= {0, 1} or 1 not in self.response_mask:
+                raise ValueError("response_mask holds 0 (tool) and 1 (policy) only, with at least one policy token")
         if self.behavior_logprobs and len(self.behavior_logprobs) != len(self.response_token_ids):
             raise ValueError(
                 f"behavior_logprobs ({len(self.behavior_logprobs)}) and response_token_ids "

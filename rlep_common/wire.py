@@ -25,6 +25,13 @@ FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.i
 
 
 def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
+    """Raises ValueError for a tool episode (`response_mask`): the contract cannot carry its mask yet, and a trace
+    sent without it would be trained on its tool outputs."""
+    if t.response_mask:
+        raise ValueError(
+            f"trajectory of question {t.question_id!r} is a tool episode (response_mask set): the v1 Trajectory "
+            "message does not carry tool traces yet (issue 50, replay of tool traces)"
+        )
     return pb.Trajectory(
         question_id=t.question_id,
         prompt_token_ids=t.prompt_token_ids,

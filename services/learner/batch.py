@@ -130,7 +130,8 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
     Every trajectory needs `prompt_token_ids`, at least one `response_token_ids` and a finite reward;
     `NonFiniteError` names the trajectory whose reward (or advantage) is NaN or infinite. With
     `with_behavior`, the batch also carries the sampler's logprobs in the `loss_mask` layout (NaN where a
-    row has none: replayed rows, which were sampled by another policy for another prompt rendering).
+    row has none: replayed rows, which were sampled by another policy for another prompt rendering). A tool
+    episode's tool tokens (`Trajectory.response_mask` 0) get loss mask 0 and no sampler logprob.
     """
     trajectories, rewards, group_ids = flatten_groups(groups)
     if not trajectories:
@@ -150,6 +151,12 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
             raise ValueError(f"trajectory {t.id[:12]} of question {t.question_id} lacks prompt or response tokens")
         rows.append((list(t.prompt_token_ids), list(t.response_token_ids)))
     tokens, attention, loss_mask = layout_rows(rows, pad_id)
+    tool_tokens = torch.zeros_like(loss_mask, dtype=torch.bool)  # a tool episode's tool outputs (response_mask 0)
+    for i, t in enumerate(trajectories):
+        if t.response_mask:
+            start = len(t.prompt_token_ids) - 1
+            tool_tokens[i, start : start + len(t.response_mask)] = torch.tensor(t.response_mask) == 0
+    loss_mask[tool_tokens] = 0.0
     behavior = None
     if with_behavior:
         behavior = torch.full(loss_mask.shape, float("nan"))
@@ -157,6 +164,7 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
             if t.behavior_logprobs and t.source != Source.REPLAY:
                 start = len(t.prompt_token_ids) - 1
                 behavior[i, start : start + len(t.behavior_logprobs)] = torch.tensor(t.behavior_logprobs)
+        behavior[tool_tokens] = float("nan")  # no sampler wrote them: outside every importance ratio
     return ExperienceBatch(
         tokens=tokens,
         attention_mask=attention,

@@ -24,12 +24,12 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import Field
 
 from rlep.common.config import StrictModel
-from rlep.common.types import FinishReason
+from rlep.common.types import FinishReason, Trajectory
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
 from rlep.services.sandbox.types import ToolResult
 
@@ -108,6 +108,22 @@ class ToolEpisode:
     @property
     def policy_versions(self) -> list[int]:
         return sorted({s.policy_version for s in self.segments if s.policy_version is not None})
+
+    def to_trajectory(self, question_id: str, response_text: str, reward: float, **fields: Any) -> Trajectory:
+        """The episode as a trajectory to train on: its ids, the mask, the engine's logprobs (NaN on tool tokens),
+        and the oldest weights that sampled it (a push between turns: staleness counts from the first)."""
+        return Trajectory(
+            question_id=question_id,
+            response_text=response_text,
+            reward=reward,
+            policy_version=self.policy_versions[0] if self.policy_versions else 0,
+            finish_reason=FinishReason.LENGTH if self.finish == "length" else FinishReason.STOP,
+            prompt_token_ids=tuple(self.prompt_token_ids),
+            response_token_ids=tuple(self.response_token_ids),
+            behavior_logprobs=tuple(self.behavior_logprobs),
+            response_mask=tuple(self.loss_mask),
+            **fields,
+        )
 
 
 class Tokenizer(Protocol):

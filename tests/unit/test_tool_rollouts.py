@@ -4,11 +4,13 @@ returns. The real engine and sandbox are in tests/integration/test_tool_rollouts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+import torch
 
-from rlep.common.types import FinishReason
+from rlep.common.types import FinishReason, Trajectory
 from rlep.services.learner.tool_rollouts import ToolLoopConfig, run_episodes, tool_output_text
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
 from rlep.services.sandbox.types import ToolResult
@@ -157,3 +159,68 @@ def test_later_turns_are_seeded_from_the_call_and_differ_by_turn():
     first = seeds(7)
     assert first == seeds(7) and first[0] == 7 and len(set(first)) == 3
     assert seeds(None) == [None, None, None]
+
+
+# -- in the learner: tool tokens are never trained on and never in an importance ratio --------------------------------
+
+
+def masked_batch():
+    from rlep.common.types import Group
+    from rlep.services.learner.batch import build_batch
+
+    run_code, _ = ran()
+    [episode], _ = episodes(["Let me see <code>print(6*7)</code>", " so \\boxed{42}"], run_code)
+    tool = episode.to_trajectory("q1", "see 42", 1.0)
+    # A sampler logprob on a tool token (a client that filled them in) is dropped all the same.
+    tool = dataclasses.replace(
+        tool, behavior_logprobs=tuple(-9.0 if math.isnan(lp) else lp for lp in tool.behavior_logprobs)
+    )
+    plain = Trajectory("q1", "43", 0.0, prompt_token_ids=tuple(CHARS.encode(PROMPT)), response_token_ids=(52, 51),
+                       behavior_logprobs=(-1.0, -2.0))  # fmt: skip
+    return episode, build_batch([Group("q1", "42", [tool, plain])], pad_id=0, with_behavior=True)
+
+
+def test_a_tool_episode_trains_on_its_policy_tokens_only():
+    episode, batch = masked_batch()
+    start = len(PROMPT) - 1  # position j scores token j + 1
+    row = batch.loss_mask[0, start : start + len(episode.loss_mask)]
+    assert row.tolist() == [float(m) for m in episode.loss_mask] and 0.0 in row.tolist()
+    assert batch.loss_mask[1].sum() == 2 and batch.response_tokens == sum(episode.loss_mask) + 2
+    behavior = batch.behavior_logprobs[0, start : start + len(episode.loss_mask)]
+    assert torch.isnan(behavior[row == 0]).all() and (behavior[row == 1] == -0.5).all()
+
+
+def test_tool_tokens_move_neither_the_loss_nor_the_mismatch_figures():
+    from rlep.services.learner.algorithm import policy_loss
+    from rlep.services.learner.mismatch import rollout_mismatch
+
+    _, batch = masked_batch()
+    old = torch.full(batch.loss_mask.shape, -0.7)
+    logprobs = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, old, batch.advantages, batch.loss_mask)
+    loss.backward()
+    tool = (batch.attention_mask[:, 1:] == 1) & (batch.loss_mask == 0)
+    tool[:, : len(PROMPT) - 1] = False
+    assert tool.sum() == len("<output>\n42\n\n</output>\n")
+    assert (logprobs.grad[tool] == 0).all() and (logprobs.grad[batch.loss_mask == 1] != 0).all()
+    # The -9.0 on tool tokens would move every figure, were they compared.
+    figures = rollout_mismatch(old, batch.behavior_logprobs, batch.loss_mask, cap=2.0)
+    assert figures.tokens == batch.response_tokens
+
+
+def test_a_response_mask_must_fit_its_response():
+    with pytest.raises(ValueError, match="same length"):
+        Trajectory("q", "a", 0.0, response_token_ids=(1, 2), response_mask=(1,))
+    with pytest.raises(ValueError, match="at least one policy token"):
+        Trajectory("q", "a", 0.0, response_token_ids=(1, 2), response_mask=(0, 0))
+    with pytest.raises(ValueError, match="0 \\(tool\\) and 1"):
+        Trajectory("q", "a", 0.0, response_token_ids=(1, 2), response_mask=(1, 2))
+
+
+def test_the_replay_contract_refuses_a_tool_trace_it_cannot_carry():
+    from rlep.common.wire import trajectory_to_proto
+
+    run_code, _ = ran()
+    [episode], _ = episodes(["<code>1</code>", "done"], run_code)
+    with pytest.raises(ValueError, match="does not carry tool traces yet"):
+        trajectory_to_proto(episode.to_trajectory("q1", "done", 1.0))
