@@ -129,7 +129,7 @@ class ToolEpisode:
 class Tokenizer(Protocol):
     """What the loop needs of a tokenizer (a transformers tokenizer has both)."""
 
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = ..., split_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -162,7 +162,7 @@ def run_episodes(
         for turn in range(config.max_calls + 1):  # turn t can make an episode's call t + 1 at most: bounded
             calls = [(e, code) for e, sample in turns if (code := _take_turn(e, sample, tokenizer, config)) is not None]
             callers = [f"episode-{i}" for i in range(len(calls))]
-            results = list(pool.map(run_code, [code for _, code in calls], callers))
+            results = list(pool.map(_answered(run_code), [code for _, code in calls], callers))
             for (episode, code), result in zip(calls, results, strict=True):
                 _append_output(episode, code, result, tokenizer, markers, config)
             going = [e for e, _ in calls if e.finish is None]
@@ -178,6 +178,19 @@ def run_episodes(
                 completions = generate([e.prompt_token_ids + e.response_token_ids for e in group], asked)
                 turns += [(e, c.samples[0]) for e, c in zip(group, completions, strict=True)]
     return episodes
+
+
+def _answered(run_code: RunCode) -> RunCode:
+    """`run_code` that answers code the sandbox refuses (too large, a NUL: a policy can write either) with a
+    `refused` result the policy reads, instead of raising out of every episode of the call."""
+
+    def run(code: str, caller: str) -> ToolResult:
+        try:
+            return run_code(code, caller)
+        except ValueError as err:
+            return ToolResult("refused", None, None, "", "", False, 0.0, "none", str(err))
+
+    return run
 
 
 def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, config: ToolLoopConfig) -> str | None:
@@ -204,13 +217,19 @@ def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, co
     return None
 
 
+def as_text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` read as plain text: a special token's spelling in a tool's output (code that prints
+    `<|endoftext|>` or `<|im_start|>assistant`) stays characters, never becomes the special id it names."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
 class _MarkerIds:
     """The output markers' token ids, tokenised once; refuses a `max_output_tokens` they leave no room in."""
 
     def __init__(self, tokenizer: Tokenizer, config: ToolLoopConfig):
-        self.open = tokenizer.encode(config.output_open, add_special_tokens=False)
-        self.close = tokenizer.encode(config.output_close, add_special_tokens=False)
-        self.truncated = tokenizer.encode(config.truncated_mark, add_special_tokens=False)
+        self.open = as_text_ids(tokenizer, config.output_open)
+        self.close = as_text_ids(tokenizer, config.output_close)
+        self.truncated = as_text_ids(tokenizer, config.truncated_mark)
         self.room = config.max_output_tokens - len(self.open) - len(self.close) - len(self.truncated)
         if self.room < 1:
             raise ValueError(
@@ -235,7 +254,7 @@ def _append_output(
     markers: _MarkerIds,
     config: ToolLoopConfig,
 ) -> None:
-    body = tokenizer.encode(tool_output_text(result), add_special_tokens=False)
+    body = as_text_ids(tokenizer, tool_output_text(result))
     cut = len(body) > markers.room + len(markers.truncated)
     if cut:
         body = body[: markers.room] + markers.truncated

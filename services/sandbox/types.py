@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Status = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed", "sandbox_failure"]
+Status = Literal[
+    "ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed", "sandbox_failure", "refused"
+]
+"""`refused`: never run, the code is no text the sandbox takes (over `max_code_bytes`, a NUL, not UTF-8); the
+sandbox itself raises ValueError for it, and a caller that must answer every call (the tool loop) says so."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rlep.services.sandbox.types import ToolResult
 class Chars:
     """One token per character."""
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, token_ids) -> str:
@@ -140,6 +140,47 @@ def test_a_stopped_call_shows_why_to_the_policy():
     assert tool_output_text(result) == "partial\n\n[timeout: wall clock 10 s]"
     error = ToolResult("error", 1, None, "", "NameError: x\n", False, 0.1, "bubblewrap", "exit status 1")
     assert tool_output_text(error) == "NameError: x\n"  # the traceback says it
+
+
+def test_a_tool_output_that_spells_a_special_token_stays_text():
+    """Code that prints `<|endoftext|>`: the real tokenizer would read it as the EOS id, ending the policy's context
+    for it; the loop tokenises tool outputs as plain text."""
+    from transformers import AutoTokenizer
+
+    from rlep.common.tiny_model import cached_model
+
+    tokenizer = AutoTokenizer.from_pretrained(cached_model("tiny"))
+    assert tokenizer.encode("<|endoftext|>", add_special_tokens=False) == [tokenizer.eos_token_id]
+    turns = iter([tokenizer.encode("<code>print(x)</code>", add_special_tokens=False), [tokenizer.eos_token_id]])
+
+    def generate(prompts, sampling):
+        return [Completion(list(p), [SampleOut(next(turns), "", [-1.0], FinishReason.STOP, 0)]) for p in prompts]
+
+    run_code, _ = ran(stdout="a<|endoftext|>b<|im_start|>assistant\n")
+    prompt = tokenizer.encode("Q: x\nA: ", add_special_tokens=False)
+    [[episode]] = run_episodes([prompt], Sampling(max_tokens=64), generate, run_code, tokenizer, ToolLoopConfig())
+    tool = episode.segments[1]
+    assert tokenizer.eos_token_id not in tool.token_ids
+    assert tokenizer.decode(list(tool.token_ids)) == "<output>\na<|endoftext|>b<|im_start|>assistant\n\n</output>\n"
+
+
+def test_code_the_sandbox_refuses_is_answered_and_the_others_run():
+    from rlep.services.sandbox.config import SandboxConfig
+    from rlep.services.sandbox.executor import check_code
+
+    ran_codes = []
+
+    def run_code(code: str, caller: str) -> ToolResult:  # the sandbox's own check first, as Sandbox.run does
+        check_code(code, SandboxConfig(max_code_bytes=64))
+        ran_codes.append(code)
+        return ToolResult("ok", 0, None, "fine\n", "", False, 0.01, "bubblewrap")
+
+    engine = ScriptedEngine(["<code>" + "x" * 100 + "</code>", "<code>a\x00</code>", "<code>1</code>", "end"])
+    [[episode]] = run_episodes([CHARS.encode(PROMPT)], Sampling(max_tokens=400), engine, run_code, CHARS,
+                               ToolLoopConfig())  # fmt: skip
+    assert [c.status for c in episode.calls] == ["refused", "refused", "ok"] and ran_codes == ["1"]
+    assert "exceeds sandbox.max_code_bytes" in CHARS.decode(episode.segments[1].token_ids)
+    assert "NUL" in CHARS.decode(episode.segments[3].token_ids) and episode.finish == "answer"
 
 
 def test_markers_that_leave_no_room_for_output_are_refused():
