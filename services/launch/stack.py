@@ -28,6 +28,7 @@ from rlep.common.ports import free_port
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
 from rlep.services.learner.step_inputs import ServiceClients
+from rlep.services.sandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class ServiceStack:
             )
             replay = ReplayClient(replay_address, token=self.token, outage_s=endpoints.service_outage_s)
             self.addresses["replay"] = replay_address
-        self.services = ServiceClients(rollout=rollout, verifier=verifier, replay=replay)
+        # Tool code runs here, in the driver's process, under the sandbox's namespaces (no gRPC sandbox yet).
+        run_code = Sandbox(self.config.tools.sandbox).run if self.config.tools is not None else None
+        self.services = ServiceClients(rollout=rollout, verifier=verifier, replay=replay, run_code=run_code)
         return self.services
 
     def _start_actor(self, kind: str, config: dict) -> str:

@@ -20,6 +20,7 @@ from rlep.common.config import StrictModel, TlsFiles
 from rlep.services.learner.algorithm import LossAgg, LossSettings
 from rlep.services.learner.mismatch import Correction
 from rlep.services.learner.replay_rules import ReplayRuleConfig
+from rlep.services.learner.tool_rollouts import ToolUseConfig
 from rlep.services.replay.client import Strategy
 from rlep.services.rollout.config import (
     SERVICE_PATTERN,
@@ -450,6 +451,8 @@ class TrainConfig(StrictModel):
     (services/weights/config.py); replicas that rejoin are brought up by auto."""
     collect: CollectConfig = CollectConfig()
     """Settings of `rlep collect` when it is given this file (`configs/recipes/collect.yaml`)."""
+    tools: ToolUseConfig | None = None
+    """Multi-turn episodes with a sandboxed Python tool (issue 50, `tool_rollouts.ToolUseConfig`); None: one answer."""
     log_file: Path | None = None
     """JSONL log, one line per step (None = <checkpoint dir>/log.jsonl or no file)."""
     logging: LoggingConfig = LoggingConfig()
@@ -471,6 +474,21 @@ class TrainConfig(StrictModel):
                 f"verifier ({', '.join(sorted(self.verifier.model_fields_set))}) configures the verifier this run "
                 f"starts, but endpoints.verifier={self.endpoints.verifier} is used instead: set the scorers in that "
                 "verifier's own config (rlep serve verifier --set scorers...), or leave endpoints.verifier empty"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> TrainConfig:
+        if self.tools is None:
+            return self
+        if "max_response_tokens" in self.tools.loop.model_fields_set:
+            raise ValueError(
+                "tools.loop.max_response_tokens: an episode's budget is algorithm.max_response_tokens; set that instead"
+            )
+        if self.algorithm.replayed_per_question or self.algorithm.online_replay:
+            raise ValueError(
+                "tools: replay of tool traces is not built yet (issue 50): the replay service would store them without "
+                "their tool mask; set algorithm.replayed_per_question: 0 and online_replay: false"
             )
         return self
 

@@ -93,6 +93,12 @@ class StepRecord:
     replay_priorities_status: str | None = None
     """`updated`, `no_replayed_rows`, `pool_missing` or `failed: <code>` (with a warning; the step never fails
     for it)."""
+    tool_calls_mean: float | None = None
+    """With `tools` on: tool calls per fresh episode, every generation round's (absent otherwise)."""
+    tool_token_fraction: float | None = None
+    """The share of those episodes' response tokens the tool wrote (loss mask 0)."""
+    tool_finishes: dict[str, int] | None = None
+    """How those episodes ended: `answer`, `length`, `call_limit`, `void` (a call closed, never opened)."""
     rollout_mismatch_kl: float | None = None
     """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
     policies; the `rollout_mismatch_*` fields are None in logs written before them."""
@@ -147,6 +153,9 @@ ABSENT_WHEN_NONE = (
     "history_recorded",
     "replay_priorities_updated",
     "replay_priorities_status",
+    "tool_calls_mean",
+    "tool_token_fraction",
+    "tool_finishes",
     "eval_accuracy",
     "eval_correct",
 )

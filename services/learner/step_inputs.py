@@ -33,8 +33,10 @@ from rlep.services.learner.scored_trajectories import (
     prepare_replayed,
     score_fresh,
     score_replayed,
+    shaped_reward,
 )
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
+from rlep.services.learner.tool_rollouts import RunCode, ToolFigures, run_episodes
 from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -55,6 +57,8 @@ class ServiceClients:
     verifier: VerifierClient
     replay: ReplayClient | None
     """Needed when M > 0 or online replay is on."""
+    run_code: RunCode | None = None
+    """The tool sandbox's `run(code, caller)`; needed with `tools` on (the launch room starts one in process)."""
 
 
 @dataclass
@@ -96,6 +100,8 @@ class Gathered:
     outcomes: list[FreshOutcome] = field(default_factory=list)
     """Every group generated for the step, kept or filtered by dynamic sampling: what the replay service's
     per-question history is told."""
+    tools: ToolFigures | None = None
+    """With `tools` on: the step's tool episodes, every round's."""
 
 
 class StepInputs:
@@ -109,6 +115,8 @@ class StepInputs:
     ):
         self.config, self.questions, self.cursor = config, questions, cursor
         self.services, self.tokenizer = services, tokenizer
+        if config.tools is not None and services.run_code is None:
+            raise ValueError("tools are on but no sandbox was given (ServiceClients.run_code)")
 
     def gather(self, step: int, timer: StepTimer) -> Gathered:
         """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary.
@@ -126,6 +134,9 @@ class StepInputs:
             kept.rounds += 1
             kept.questions_generated += len(last.questions)
             kept.prompts_truncated += last.prompts_truncated
+            if last.tools is not None:
+                kept.tools = kept.tools or ToolFigures()
+                kept.tools.add_figures(last.tools)
             for question, prompt, fresh in zip(last.questions, last.prompts, last.fresh, strict=True):
                 kept.outcomes.append(FreshOutcome.of(question.question_id, fresh))
                 if dynamic.enabled and not group_varies(fresh, dynamic.metric):
@@ -156,17 +167,18 @@ class StepInputs:
         algo = self.config.algorithm
         questions = [self.questions[i] for i in self.cursor.next_indices(count)]
         prompts = [self.tokenizer.encode_prompt(q.chat()) for q in questions]
+        sampling = Sampling(
+            n=algo.fresh_per_question,
+            temperature=algo.temperature,
+            top_p=algo.top_p,
+            max_tokens=algo.max_response_tokens,
+            seed=step_seed(self.config.seed, step, round_index),
+        )
+        if self.config.tools is not None:
+            fresh, figures = self._tool_round(questions, prompts, sampling, timer)
+            return Gathered(questions, prompts, fresh, prompts_truncated=self._truncated(step, prompts), tools=figures)
         with timer.phase("rollout"):
-            completions = self.services.rollout.generate(
-                [p.token_ids for p in prompts],
-                Sampling(
-                    n=algo.fresh_per_question,
-                    temperature=algo.temperature,
-                    top_p=algo.top_p,
-                    max_tokens=algo.max_response_tokens,
-                    seed=step_seed(self.config.seed, step, round_index),
-                ),
-            )
+            completions = self.services.rollout.generate([p.token_ids for p in prompts], sampling)
         with timer.phase("verify"):
             groups = [
                 (q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)
@@ -176,6 +188,9 @@ class StepInputs:
                 score_fresh(q.question_id, p, c, o, algo, self.config.run_id, self.tokenizer.fingerprint)
                 for q, p, c, o in zip(questions, prompts, completions, outcomes, strict=True)
             ]
+        return Gathered(questions, prompts, fresh, prompts_truncated=self._truncated(step, prompts))
+
+    def _truncated(self, step: int, prompts: list[EncodedPrompt]) -> int:
         truncated = sum(p.truncated_tokens > 0 for p in prompts)
         if truncated:
             log.warning(
@@ -185,7 +200,43 @@ class StepInputs:
                 len(prompts),
                 self.tokenizer.max_prompt_tokens,
             )
-        return Gathered(questions, prompts, fresh, prompts_truncated=truncated)
+        return truncated
+
+    def _tool_round(
+        self, questions: list[Question], prompts: list[EncodedPrompt], sampling: Sampling, timer: StepTimer
+    ) -> tuple[list[list[Trajectory]], ToolFigures]:
+        """G tool episodes per question (tool_rollouts.py), verified on their whole decoded response and scored like
+        single answers; the sandbox's time counts as rollout."""
+        algo, tools = self.config.algorithm, self.config.tools
+        loop = tools.loop.model_copy(update={"max_response_tokens": algo.max_response_tokens})
+        hf = self.tokenizer.tokenizer
+        with timer.phase("rollout"):
+            episodes = run_episodes(
+                [p.token_ids for p in prompts],
+                sampling,
+                self.services.rollout.generate,
+                self.services.run_code,
+                hf,
+                loop,
+            )
+        figures = ToolFigures()
+        with timer.phase("verify"):
+            texts = [[hf.decode(e.response_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
+            groups = [(q.ground_truth, group) for q, group in zip(questions, texts, strict=True)]
+            outcomes = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
+            now_ms = int(time.time() * 1000)
+            fresh = []
+            for question, group, group_texts, verdicts in zip(questions, episodes, texts, outcomes, strict=True):
+                figures.add(group)
+                fresh.append([
+                    episode.to_trajectory(
+                        question.question_id, text, shaped_reward(o.reward, len(episode.response_token_ids), algo),
+                        verdict=o.verdict, run_id=self.config.run_id, created_at_ms=now_ms,
+                        tokenizer_fingerprint=self.tokenizer.fingerprint,
+                    )
+                    for episode, text, o in zip(group, group_texts, verdicts, strict=True)
+                ])  # fmt: skip
+        return fresh, figures
 
     def _replay_count(self) -> int:
         algo = self.config.algorithm

@@ -31,6 +31,7 @@ from pydantic import Field
 from rlep.common.config import StrictModel
 from rlep.common.types import FinishReason, Trajectory
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
+from rlep.services.sandbox.config import SandboxConfig
 from rlep.services.sandbox.types import ToolResult
 
 Finish = Literal["answer", "length", "call_limit", "void"]
@@ -54,6 +55,50 @@ class ToolLoopConfig(StrictModel):
     truncated_mark: str = "\n[output truncated]"
     tool_workers: int = Field(4, ge=1, le=64)
     """Tool calls this loop has in flight at once (the sandbox bounds its own concurrency and each caller's too)."""
+
+
+class ToolUseConfig(StrictModel):
+    """`TrainConfig.tools`: the training step samples tool episodes instead of single answers (issue 50). The
+    episode's token budget is `algorithm.max_response_tokens` (leave `loop.max_response_tokens` unset); the sandbox
+    runs in the learner's driver process (bubblewrap must be there: `scripts/system-deps.sh`)."""
+
+    loop: ToolLoopConfig = ToolLoopConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+
+
+@dataclass
+class ToolFigures:
+    """A step's tool episodes, every generation round's (kept by dynamic sampling or not), for its record."""
+
+    episodes: int = 0
+    calls: int = 0
+    tool_tokens: int = 0
+    response_tokens: int = 0
+    finishes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, episodes: Sequence[ToolEpisode]) -> None:
+        for episode in episodes:
+            self.episodes += 1
+            self.calls += len(episode.calls)
+            self.tool_tokens += len(episode.loss_mask) - sum(episode.loss_mask)
+            self.response_tokens += len(episode.loss_mask)
+            self.finishes[episode.finish or "unfinished"] = self.finishes.get(episode.finish or "unfinished", 0) + 1
+
+    def add_figures(self, other: ToolFigures) -> None:
+        self.episodes += other.episodes
+        self.calls += other.calls
+        self.tool_tokens += other.tool_tokens
+        self.response_tokens += other.response_tokens
+        for finish, count in other.finishes.items():
+            self.finishes[finish] = self.finishes.get(finish, 0) + count
+
+    def record(self) -> dict[str, Any]:
+        """The step record's `tool_*` fields."""
+        return {
+            "tool_calls_mean": self.calls / max(1, self.episodes),
+            "tool_token_fraction": self.tool_tokens / max(1, self.response_tokens),
+            "tool_finishes": dict(sorted(self.finishes.items())),
+        }
 
 
 @dataclass(frozen=True)

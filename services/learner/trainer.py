@@ -372,6 +372,7 @@ class Trainer:
             rollout_replicas=len(self.services.rollout.serving()),
             rollout_failovers=self.services.rollout.failovers,
             scorer_failures=failures,
+            **(gathered.tools.record() if gathered.tools is not None else {}),
             eval_accuracy=eval_accuracy,
         )
 

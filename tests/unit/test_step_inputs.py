@@ -143,3 +143,66 @@ def test_no_replay_at_all_warns_or_fails_when_required(tokenizer, caplog, pool):
     strict = inputs(tokenizer, [1, 1], replay=ScriptedReplay(pool), replayed_per_question=2, require_replay=True)
     with pytest.raises(ReplayMissingError, match="got no replayed answer"):
         strict.replayed(0, strict.gather(0, StepTimer()), ReplayReport(), StepTimer())
+
+
+class ToolRollout:
+    """Every episode calls the tool once, then answers from what it printed (token ids, as the engine answers)."""
+
+    def __init__(self, tokenizer: PolicyTokenizer):
+        self.hf, self.stops = tokenizer.tokenizer, []
+
+    def generate(self, prompts, sampling):
+        self.stops.append(sampling.stop)
+        out = []
+        for ids in prompts:
+            prompt = self.hf.decode(ids)
+            text = (
+                f"\\boxed{{{prompt.split('<output>')[-1].split()[0]}}}"
+                if "</output>" in prompt
+                else "<code>print(6*7)</code>"
+            )
+            sample_ids = self.hf.encode(text, add_special_tokens=False)
+            samples = [SampleOut(sample_ids, text, [-0.1] * len(sample_ids), FinishReason.STOP, 1)] * sampling.n
+            out.append(Completion(list(ids), samples))
+        return out
+
+
+class BoxedVerifier:
+    def verify(self, items):
+        return [Outcome("\\boxed{42}" in text) for text, _ in items]
+
+
+def test_with_tools_a_step_trains_on_tool_episodes_masked_and_records_them(tokenizer):
+    from rlep.services.sandbox.types import ToolResult
+
+    codes = []
+
+    def run_code(code, caller):
+        codes.append(code)
+        return ToolResult("ok", 0, None, "42\n", "", False, 0.01, "bubblewrap")
+
+    config = TrainConfig.model_validate(
+        {"algorithm": {"questions_per_step": 2, "fresh_per_question": 2, "mini_batch_questions": 1,
+                       "max_response_tokens": 64, "overlong_buffer_tokens": 0, "replayed_per_question": 0},
+         "tools": {"loop": {"max_output_tokens": 64}}}
+    )  # fmt: skip
+    services = ServiceClients(ToolRollout(tokenizer), BoxedVerifier(), None, run_code=run_code)
+    step = StepInputs(config, questions(2), DataCursor(2, seed=0, shuffle=False), services, tokenizer)
+    gathered = step.gather(0, StepTimer())
+    assert services.rollout.stops == [("</code>",), ("</code>",)]  # the first turn, then the continuations
+    assert codes == ["print(6*7)"] * 4
+    for t in (t for group in gathered.fresh for t in group):
+        assert t.verdict == Verdict.CORRECT and t.response_text.endswith("\\boxed{42}")
+        assert 0 in t.response_mask and len(t.response_mask) == len(t.response_token_ids)
+    assert gathered.tools.record() == {
+        "tool_calls_mean": 1.0,
+        "tool_token_fraction": pytest.approx(len("<output>\n42\n\n</output>\n") / len(t.response_token_ids)),
+        "tool_finishes": {"answer": 4},
+    }
+
+
+def test_tools_without_a_sandbox_are_refused(tokenizer):
+    config = TrainConfig.model_validate({"algorithm": {"replayed_per_question": 0}, "tools": {}})
+    services = ServiceClients(ToolRollout(tokenizer), BoxedVerifier(), None)
+    with pytest.raises(ValueError, match="no sandbox was given"):
+        StepInputs(config, questions(2), DataCursor(2, seed=0, shuffle=False), services, tokenizer)
