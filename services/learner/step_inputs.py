@@ -205,8 +205,8 @@ class StepInputs:
     def _tool_round(
         self, questions: list[Question], prompts: list[EncodedPrompt], sampling: Sampling, timer: StepTimer
     ) -> tuple[list[list[Trajectory]], ToolFigures]:
-        """G tool episodes per question (tool_rollouts.py), verified on their whole decoded response and scored like
-        single answers; the sandbox's time counts as rollout."""
+        """G tool episodes per question (tool_rollouts.py), verified on the policy's own tokens (a tool output is not
+        its answer) and scored like single answers; the sandbox's time counts as rollout."""
         algo, tools = self.config.algorithm, self.config.tools
         loop = tools.loop.model_copy(update={"max_response_tokens": algo.max_response_tokens})
         hf = self.tokenizer.tokenizer
@@ -222,7 +222,8 @@ class StepInputs:
         figures = ToolFigures()
         with timer.phase("verify"):
             texts = [[hf.decode(e.response_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
-            groups = [(q.ground_truth, group) for q, group in zip(questions, texts, strict=True)]
+            answers = [[hf.decode(e.policy_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
+            groups = [(q.ground_truth, group) for q, group in zip(questions, answers, strict=True)]
             outcomes = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
             now_ms = int(time.time() * 1000)
             fresh = []

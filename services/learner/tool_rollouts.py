@@ -137,6 +137,12 @@ class ToolEpisode:
         return [token for segment in self.segments for token in segment.token_ids]
 
     @property
+    def policy_token_ids(self) -> list[int]:
+        """The policy's own tokens, every turn's, without the tool's outputs: what its answer is read from (a tool
+        output that prints `\\boxed{...}` is not the policy's answer)."""
+        return [token for segment in self.segments if segment.source == "policy" for token in segment.token_ids]
+
+    @property
     def loss_mask(self) -> list[int]:
         """Per response token: 1 where the policy sampled it, 0 where the tool wrote it."""
         return [int(s.source == "policy") for s in self.segments for _ in s.token_ids]

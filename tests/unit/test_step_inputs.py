@@ -168,7 +168,11 @@ class ToolRollout:
 
 
 class BoxedVerifier:
+    def __init__(self):
+        self.texts = []
+
     def verify(self, items):
+        self.texts += [text for text, _ in items]
         return [Outcome("\\boxed{42}" in text) for text, _ in items]
 
 
@@ -191,6 +195,7 @@ def test_with_tools_a_step_trains_on_tool_episodes_masked_and_records_them(token
     gathered = step.gather(0, StepTimer())
     assert services.rollout.stops == [("</code>",), ("</code>",)]  # the first turn, then the continuations
     assert codes == ["print(6*7)"] * 4
+    assert services.verifier.texts == ["<code>print(6*7)</code>\\boxed{42}"] * 4  # the policy's tokens only
     for t in (t for group in gathered.fresh for t in group):
         assert t.verdict == Verdict.CORRECT and t.response_text.endswith("\\boxed{42}")
         assert 0 in t.response_mask and len(t.response_mask) == len(t.response_token_ids)
