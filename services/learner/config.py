@@ -481,10 +481,6 @@ class TrainConfig(StrictModel):
     def _tools_fit(self) -> TrainConfig:
         if self.tools is None:
             return self
-        if "max_response_tokens" in self.tools.loop.model_fields_set:
-            raise ValueError(
-                "tools.loop.max_response_tokens: an episode's budget is algorithm.max_response_tokens; set that instead"
-            )
         if self.algorithm.replayed_per_question or self.algorithm.online_replay:
             raise ValueError(
                 "tools: replay of tool traces is not built yet (issue 50): the replay service would store them without "

@@ -208,7 +208,6 @@ class StepInputs:
         """G tool episodes per question (tool_rollouts.py), verified on the policy's own tokens (a tool output is not
         its answer) and scored like single answers; the sandbox's time counts as rollout."""
         algo, tools = self.config.algorithm, self.config.tools
-        loop = tools.loop.model_copy(update={"max_response_tokens": algo.max_response_tokens})
         hf = self.tokenizer.tokenizer
         with timer.phase("rollout"):
             episodes = run_episodes(
@@ -217,7 +216,7 @@ class StepInputs:
                 self.services.rollout.generate,
                 self.services.run_code,
                 hf,
-                loop,
+                tools.loop,
             )
         figures = ToolFigures()
         with timer.phase("verify"):

@@ -3,7 +3,7 @@
 An episode is a policy answering in turns. It writes; it may call the tool by writing code between `call_open` and
 `call_close` (`<code>print(3 * 7)</code>`); generation stops at `call_close`, the code runs in the sandbox, and
 its output, between `output_open` and `output_close`, is appended before the policy goes on. At most `max_calls`
-calls and `max_response_tokens` tokens per episode (the policy's and the tool's together).
+calls and `sampling.max_tokens` tokens per episode (the policy's and the tool's together).
 
 Token in, token out: the top bug class in peers' multi-turn RL is drift between the tokens sampled and the tokens
 trained, from rendering the conversation again as text between turns (verl #3720, #3960, PR #6921). Here the ids
@@ -44,8 +44,6 @@ class ToolLoopConfig(StrictModel):
 
     max_calls: int = Field(4, ge=0, le=64)
     """Tool calls per episode; a turn that asks for one more ends the episode (`call_limit`)."""
-    max_response_tokens: int = Field(1024, ge=1)
-    """The policy's and the tool's tokens together, per episode."""
     max_output_tokens: int = Field(256, ge=8)
     """Tokens of one tool output, its markers included; a longer output is cut and ends with `truncated_mark`."""
     call_open: str = Field("<code>", min_length=1)
@@ -58,9 +56,9 @@ class ToolLoopConfig(StrictModel):
 
 
 class ToolUseConfig(StrictModel):
-    """`TrainConfig.tools`: the training step samples tool episodes instead of single answers (issue 50). The
-    episode's token budget is `algorithm.max_response_tokens` (leave `loop.max_response_tokens` unset); the sandbox
-    runs in the learner's driver process (bubblewrap must be there: `scripts/system-deps.sh`)."""
+    """`TrainConfig.tools`: the training step samples tool episodes instead of single answers (issue 50). An
+    episode's token budget is `algorithm.max_response_tokens`; the sandbox runs in the learner's driver process
+    (bubblewrap must be there: `scripts/system-deps.sh`)."""
 
     loop: ToolLoopConfig = ToolLoopConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -199,33 +197,35 @@ def run_episodes(
     tokenizer: Tokenizer,
     config: ToolLoopConfig,
 ) -> list[list[ToolEpisode]]:
-    """`sampling.n` episodes per prompt (token ids, the chat template already applied), in order. The first turn
-    is one Generate call for every prompt; each later turn one call per distinct budget left, with n = 1 per
-    episode and a seed of its own (derived from `sampling.seed`, so a seeded call is reproducible)."""
+    """`sampling.n` episodes per prompt (token ids, the chat template already applied), in order, each within
+    `sampling.max_tokens` tokens, the policy's and the tool's together. The first turn is one Generate call for
+    every prompt; each later turn one call per distinct budget left, with n = 1 per episode and a seed of its own
+    (derived from `sampling.seed`, so a seeded call is reproducible)."""
     markers = _MarkerIds(tokenizer, config)
     stop = tuple(dict.fromkeys((*sampling.stop, config.call_close)))
-    first = generate(
-        prompts, replace(sampling, stop=stop, max_tokens=min(sampling.max_tokens, config.max_response_tokens))
-    )
+    budget = sampling.max_tokens
+    first = generate(prompts, replace(sampling, stop=stop))
     episodes = [[ToolEpisode(list(p)) for _ in c.samples] for p, c in zip(prompts, first, strict=True)]
     turns = [(e, s) for group, c in zip(episodes, first, strict=True) for e, s in zip(group, c.samples, strict=True)]
     with ThreadPoolExecutor(config.tool_workers, thread_name_prefix="tool-call") as pool:
         for turn in range(config.max_calls + 1):  # turn t can make an episode's call t + 1 at most: bounded
-            calls = [(e, code) for e, sample in turns if (code := _take_turn(e, sample, tokenizer, config)) is not None]
+            calls = [
+                (e, c) for e, sample in turns if (c := _take_turn(e, sample, budget, tokenizer, config)) is not None
+            ]
             callers = [f"episode-{i}" for i in range(len(calls))]
             results = list(pool.map(_answered(run_code), [code for _, code in calls], callers))
             for (episode, code), result in zip(calls, results, strict=True):
-                _append_output(episode, code, result, tokenizer, markers, config)
+                _append_output(episode, code, result, budget, tokenizer, markers)
             going = [e for e, _ in calls if e.finish is None]
             if not going:
                 break
             by_budget: dict[int, list[ToolEpisode]] = {}
             for episode in going:
-                by_budget.setdefault(config.max_response_tokens - len(episode.response_token_ids), []).append(episode)
+                by_budget.setdefault(budget - len(episode.response_token_ids), []).append(episode)
             turns = []
-            for budget, group in sorted(by_budget.items()):
-                seed = None if sampling.seed is None else _turn_seed(sampling.seed, turn, budget)
-                asked = replace(sampling, n=1, stop=stop, max_tokens=budget, seed=seed)
+            for left, group in sorted(by_budget.items()):
+                seed = None if sampling.seed is None else _turn_seed(sampling.seed, turn, left)
+                asked = replace(sampling, n=1, stop=stop, max_tokens=left, seed=seed)
                 completions = generate([e.prompt_token_ids + e.response_token_ids for e in group], asked)
                 turns += [(e, c.samples[0]) for e, c in zip(group, completions, strict=True)]
     return episodes
@@ -244,7 +244,9 @@ def _answered(run_code: RunCode) -> RunCode:
     return run
 
 
-def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, config: ToolLoopConfig) -> str | None:
+def _take_turn(
+    episode: ToolEpisode, sample: SampleOut, budget: int, tokenizer: Tokenizer, config: ToolLoopConfig
+) -> str | None:
     """Appends the policy's turn as sampled; returns the code it asks to run, or None once the episode has ended.
     The turn is read from its own ids, decoded here: vLLM's text leaves out a stop string, its ids do not."""
     ids = tuple(sample.token_ids)
@@ -253,7 +255,7 @@ def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, co
     close = text.find(config.call_close)
     if close < 0:
         ran_out = sample.finish_reason == FinishReason.LENGTH
-        ran_out |= len(episode.response_token_ids) >= config.max_response_tokens
+        ran_out |= len(episode.response_token_ids) >= budget
         episode.finish = "length" if ran_out else "answer"
         return None
     opened = text.rfind(config.call_open, 0, close)
@@ -261,7 +263,7 @@ def _take_turn(episode: ToolEpisode, sample: SampleOut, tokenizer: Tokenizer, co
         episode.finish = "void"
     elif len(episode.calls) >= config.max_calls:
         episode.finish = "call_limit"
-    elif len(episode.response_token_ids) >= config.max_response_tokens:
+    elif len(episode.response_token_ids) >= budget:
         episode.finish = "length"
     else:
         return text[opened + len(config.call_open) : close]
@@ -298,19 +300,14 @@ def tool_output_text(result: ToolResult) -> str:
 
 
 def _append_output(
-    episode: ToolEpisode,
-    code: str,
-    result: ToolResult,
-    tokenizer: Tokenizer,
-    markers: _MarkerIds,
-    config: ToolLoopConfig,
+    episode: ToolEpisode, code: str, result: ToolResult, budget: int, tokenizer: Tokenizer, markers: _MarkerIds
 ) -> None:
     body = as_text_ids(tokenizer, tool_output_text(result))
     cut = len(body) > markers.room + len(markers.truncated)
     if cut:
         body = body[: markers.room] + markers.truncated
     ids = markers.open + body + markers.close
-    left = config.max_response_tokens - len(episode.response_token_ids)
+    left = budget - len(episode.response_token_ids)
     if len(ids) >= left:  # the budget ends inside the output: the episode ends with the cut output
         ids, episode.finish = ids[:left], "length"
     episode.segments.append(Segment("tool", tuple(ids)))

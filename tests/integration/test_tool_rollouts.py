@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 # Short output markers and outputs (a traceback cut to 24 tokens): more turns fit in the engine's 512 tokens.
 CONFIG = ToolLoopConfig(call_open="(", call_close=")", output_open="[", output_close="]", truncated_mark="~",
-                        max_calls=3, max_response_tokens=320, max_output_tokens=24)  # fmt: skip
+                        max_calls=3, max_output_tokens=24)  # fmt: skip
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_tool_episodes_are_token_exact_on_the_engine_and_the_sandbox_runs_each_c
     assert len(went_on) >= 3, [(e.finish, len(e.calls)) for e in episodes]
     assert {e.finish for e in episodes} <= {"answer", "length", "call_limit", "void"}
     for episode in episodes:
-        assert len(episode.response_token_ids) <= CONFIG.max_response_tokens
+        assert len(episode.response_token_ids) <= sampling.max_tokens
         assert episode.policy_versions == [version]
         tools = [s for s in episode.segments if s.source == "tool"]
         assert len(tools) == len(episode.calls) <= CONFIG.max_calls

@@ -66,9 +66,9 @@ def ran(stdout: str = "42\n", status: str = "ok", stderr: str = "", detail: str 
     return run_code, calls
 
 
-def episodes(turns, run_code, n: int = 1, **config):
+def episodes(turns, run_code, n: int = 1, budget: int = 200, **config):
     engine = ScriptedEngine(turns)
-    out = run_episodes([CHARS.encode(PROMPT)], Sampling(n=n, max_tokens=200), engine, run_code, CHARS,
+    out = run_episodes([CHARS.encode(PROMPT)], Sampling(n=n, max_tokens=budget), engine, run_code, CHARS,
                        ToolLoopConfig(**config))  # fmt: skip
     return out[0], engine
 
@@ -90,7 +90,7 @@ def test_a_call_runs_its_code_and_the_policy_goes_on_from_the_exact_tokens():
     [(first_prompts, first), (second_prompts, second)] = engine.calls
     assert first.stop == ("</code>",) and first_prompts == [PROMPT]
     assert second_prompts == [PROMPT + policy_1 + tool] and second.n == 1
-    assert second.max_tokens == 1024 - len(policy_1) - len(tool)
+    assert first.max_tokens == 200 and second.max_tokens == 200 - len(policy_1) - len(tool)
 
 
 def test_an_answer_without_a_call_is_one_policy_segment():
@@ -124,7 +124,7 @@ def test_a_long_output_is_cut_to_its_token_budget_and_says_so():
 
 def test_the_response_budget_counts_tool_tokens_and_ends_the_episode():
     run_code, _ = ran(stdout="y" * 100)
-    [episode], _ = episodes(["<code>1</code>", "never asked"], run_code, max_response_tokens=40)
+    [episode], _ = episodes(["<code>1</code>", "never asked"], run_code, budget=40)
     assert len(episode.response_token_ids) == 40 and episode.finish == "length"
     assert [s.source for s in episode.segments] == ["policy", "tool"]
 
@@ -158,7 +158,7 @@ def test_a_tool_output_that_spells_a_special_token_stays_text():
 
     run_code, _ = ran(stdout="a<|endoftext|>b<|im_start|>assistant\n")
     prompt = tokenizer.encode("Q: x\nA: ", add_special_tokens=False)
-    [[episode]] = run_episodes([prompt], Sampling(max_tokens=64), generate, run_code, tokenizer, ToolLoopConfig())
+    [[episode]] = run_episodes([prompt], Sampling(max_tokens=256), generate, run_code, tokenizer, ToolLoopConfig())
     tool = episode.segments[1]
     assert tokenizer.eos_token_id not in tool.token_ids
     assert tokenizer.decode(list(tool.token_ids)) == "<output>\na<|endoftext|>b<|im_start|>assistant\n\n</output>\n"
