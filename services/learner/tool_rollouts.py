@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -72,23 +73,23 @@ class ToolFigures:
     calls: int = 0
     tool_tokens: int = 0
     response_tokens: int = 0
-    finishes: dict[str, int] = field(default_factory=dict)
+    finishes: Counter[str] = field(default_factory=Counter)
 
     def add(self, episodes: Sequence[ToolEpisode]) -> None:
         for episode in episodes:
+            mask = episode.loss_mask
             self.episodes += 1
             self.calls += len(episode.calls)
-            self.tool_tokens += len(episode.loss_mask) - sum(episode.loss_mask)
-            self.response_tokens += len(episode.loss_mask)
-            self.finishes[episode.finish or "unfinished"] = self.finishes.get(episode.finish or "unfinished", 0) + 1
+            self.tool_tokens += len(mask) - sum(mask)
+            self.response_tokens += len(mask)
+            self.finishes[episode.finish or "unfinished"] += 1
 
     def add_figures(self, other: ToolFigures) -> None:
         self.episodes += other.episodes
         self.calls += other.calls
         self.tool_tokens += other.tool_tokens
         self.response_tokens += other.response_tokens
-        for finish, count in other.finishes.items():
-            self.finishes[finish] = self.finishes.get(finish, 0) + count
+        self.finishes.update(other.finishes)
 
     def record(self) -> dict[str, Any]:
         """The step record's `tool_*` fields."""
