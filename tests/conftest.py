@@ -49,22 +49,31 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
-# Two workers pull files from one queue in collection order (`--dist loadfile`), so a long file collected last runs
-# alone at the end while the other worker idles. The longest files (CI, 2026-11-28, seconds per file) go first;
-# the rest keep their order. A path that no longer exists is an error, so the list cannot rot silently.
+# Two workers pull files from one queue in collection order (`--dist loadfile --no-loadscope-reorder`: without the
+# flag xdist orders files by their number of tests, and the one-test 180 s `test_newcomer_path` ran alone at the end),
+# so a long file collected last runs alone at the end while the other worker idles. The longest files (seconds per
+# file, 2026-11-29, all files of at least 30 s) go first; the rest keep their order. A path that no longer exists is
+# an error, so the list cannot rot silently.
 LONGEST_FILES_FIRST = (
-    "tests/integration/test_learner_faults.py",
-    "tests/e2e/test_demo.py",
+    "tests/integration/test_pretrained_e2e.py",
     "tests/integration/test_learner_policy.py",
+    "tests/e2e/test_demo.py",
+    "tests/e2e/test_newcomer_path.py",
     "tests/integration/test_learner_loop.py",
     "tests/integration/test_eval_service.py",
-    "tests/integration/test_pretrained_e2e.py",
+    "tests/integration/test_learner_faults.py",
     "tests/integration/test_learner_lora.py",
     "tests/integration/test_rollout_process.py",
+    "tests/integration/test_gpu_check.py",
     "tests/integration/test_rollout_mismatch.py",
     "tests/integration/test_doctor.py",
-    "tests/integration/test_embedded_redis_supervision.py",
     "tests/integration/test_rollout.py",
+    "tests/integration/test_rollout_ray.py",
+    "tests/integration/test_model_import.py",
+    "tests/integration/test_rollout_load_logs.py",
+    "tests/integration/test_serve_cli.py",
+    "tests/integration/test_learner_jit_lock.py",
+    "tests/integration/test_rollout_long_prompts.py",
 )
 
 
@@ -94,6 +103,9 @@ def pytest_terminal_summary(terminalreporter):
         by_folder["/".join(path.split("/")[:2])] += seconds
     write = terminalreporter.write_line
     terminalreporter.section("time by folder and file (setup + call + teardown)")
+    option = terminalreporter.config.option
+    if getattr(option, "dist", "no") == "loadfile" and getattr(option, "loadscopereorder", False):
+        write("LONGEST_FILES_FIRST was not followed: xdist sent files out by test count (add --no-loadscope-reorder)")
     write("  ".join(f"{folder} {seconds:.0f} s" for folder, seconds in by_folder.most_common()))
     for path, seconds in _seconds_by_file.most_common(SLOWEST_FILES_SHOWN):
         write(f"{seconds:8.1f} s  {path}")
