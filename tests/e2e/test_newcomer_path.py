@@ -1,9 +1,9 @@
 """Issue 47's acceptance: a newcomer's own task from the README and docs only, as commands in a shell.
 
 A scorer module of their own and a verl parquet whose `data_source` names it: the only files written by hand.
-Then `rlep train` (configs/train.yaml at a small size, the scorer given with --set as docs/rewards.md shows) and
-`rlep eval --local --samples` of the checkpoint it wrote (the README's step 4). The samples must carry the scores
-of the user's function, recomputed here from each response, not math-verify's 0/1.
+Then `rlep train` (configs/train.yaml at a small size, vLLM eager, the scorer given with --set as docs/rewards.md
+shows) and `rlep eval --local --samples` of the checkpoint it wrote (the README's step 4). The samples must carry the
+scores of the user's function, recomputed here from each response, not math-verify's 0/1.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def test_own_scorer_through_train_and_a_local_eval_of_its_checkpoint(tmp_path):
     scorer = ["--set", "verifier.scorer_path=[scorers]", "--set", f"verifier.scorers={own}"]
     small = [f"algorithm.{key}" for key in ("questions_per_step=4", "fresh_per_question=4", "max_response_tokens=16",
              "overlong_buffer_tokens=4", "mini_batch_questions=2")]  # fmt: skip
-    small += ["checkpoint.dir=run", "metrics_port=null"]
+    # Eager vLLM: a compiled start costs ~40 CPU-seconds more each (two here); `test_doctor` starts the compiled one.
+    small += ["checkpoint.dir=run", "metrics_port=null", "local.rollout_engine.enforce_eager=true"]
     train = ["train", "--config", str(REPO / "configs" / "train.yaml"), "--model", "tiny", "--data", data.name]
     train += ["--pool", "mine", "--steps", "2", *scorer, *(arg for s in small for arg in ("--set", s))]
     trained = run(train, tmp_path, 540)
@@ -72,7 +73,8 @@ def test_own_scorer_through_train_and_a_local_eval_of_its_checkpoint(tmp_path):
     assert checkpoint.is_dir(), sorted(p.name for p in (tmp_path / "run").iterdir())
     evaluate = ["eval", "--local", "--model", "run/step_2/hf", "--datasets", data.name, "--n", "2"]
     evaluate += ["--max-tokens", "8", "--samples", "samples.jsonl", "--config", str(REPO / "configs" / "train.yaml")]
-    evaluated = run([*evaluate, *scorer], tmp_path, 400)
+    eager = ["--set", "local.rollout_engine.enforce_eager=true"]
+    evaluated = run([*evaluate, *scorer, *eager], tmp_path, 400)
     assert "run/step_2/hf: job" in evaluated.stdout and "succeeded" in evaluated.stdout, evaluated.stdout[-2000:]
 
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]

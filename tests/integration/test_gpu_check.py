@@ -104,7 +104,10 @@ def test_the_learner_installs_and_runs_from_the_wheels_alone(gpu_like_python, wh
         assert re.search(rf"^{name} +\S+ +{re.escape(site)}", versions, re.MULTILINE), (name, versions)
     assert re.search(r"^install +ok +exit +0", (tmp_path / "out" / "summary.txt").read_text(), re.MULTILINE)
 
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {"PYTHONPATH": site}
+    # DeepSpeed JIT-builds its CPU shm op for this site's copy in a folder of the test's own: built into the shared
+    # cache, it replaced the suite's build (the paths differ), and the next learner started built it again (~55 s).
+    own = {"PYTHONPATH": site, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | own
     collected = subprocess.run(
         [python, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o",
          "addopts=-ra --strict-markers"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
