@@ -57,21 +57,11 @@ def adapted(name: str) -> bool:
     return name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in LORA_TARGETS
 
 
-def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(
-    ray_local, model_dir, plain, batch, tmp_path
-):
+def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(one_process_update, plain):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    policy = start_policy(model_dir)
-    try:
-        initial = policy.state_dict()
-        manifest = [name for name, _ in policy.weight_manifest()]
-        stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
-        final = policy.state_dict()
-        policy.save_hf(tmp_path / "hf", model_dir)
-    finally:
-        policy.close()
+    initial, stats, final, manifest, hf = one_process_update
     # B starts at 0: the first push is the starting checkpoint, under its own names and in its order.
     assert list(initial) == manifest == list(plain)
     assert all(torch.equal(initial[k], plain[k]) for k in plain)
@@ -79,9 +69,9 @@ def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(
     assert moved == {k for k in final if adapted(k)}  # biases, norms, embeddings stay the base's
     assert stats["optimizer_steps"] == 2.0
     # The export is a plain HF checkpoint: no adapter tensors, loadable without PEFT, equal to what is pushed.
-    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(hf / "model.safetensors"))
     assert not [k for k in exported if "lora" in k or "base_layer" in k]
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
@@ -148,17 +138,23 @@ def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model
 
 
 @pytest.fixture(scope="module")
-def one_process_update(ray_local, model_dir, batch):
-    """ZeRO-2, one process: (initial merged weights, update stats, merged weights after the update)."""
-    return run_update(model_dir, batch, stage=2, processes=1)
+def one_process_update(ray_local, model_dir, batch, tmp_path_factory):
+    """ZeRO-2, one process, one update (shared: a learner start is ~7 CPU-seconds): (initial merged weights, update
+    stats, merged weights after it, the push manifest's names, the HF checkpoint it exported)."""
+    hf = tmp_path_factory.mktemp("lora") / "hf"
+    return (*run_update(model_dir, batch, stage=2, processes=1, hf_dir=hf), hf)
 
 
-def run_update(model_dir, batch, stage: int, processes: int):
+def run_update(model_dir, batch, stage: int, processes: int, hf_dir=None):
     policy = start_policy(model_dir, stage=stage, processes=processes)
     try:
         initial = policy.state_dict()
+        manifest = [name for name, _ in policy.weight_manifest()]
         stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
-        return initial, stats, policy.state_dict()
+        final = policy.state_dict()
+        if hf_dir is not None:
+            policy.save_hf(hf_dir, model_dir)
+        return initial, stats, final, manifest
     finally:
         policy.close()
 
@@ -168,8 +164,8 @@ def test_lora_over_two_processes_makes_the_one_process_update(one_process_update
     """Two learner processes (rows split, adapter gradients all-reduced over gloo; under ZeRO-3 the frozen base and
     the adapters partitioned too, gathered a layer at a time for the merge) move the merged weights as one process
     does (what rank 0 pushes), and only the adapted ones."""
-    initial, one_stats, one = one_process_update
-    start, two_stats, two = run_update(model_dir, batch, stage, processes)
+    initial, one_stats, one, _, _ = one_process_update
+    start, two_stats, two, _ = run_update(model_dir, batch, stage, processes)
     assert start.keys() == initial.keys() and all(torch.equal(start[k], initial[k]) for k in initial)
     one_delta = {k: one[k] - initial[k] for k in one}
     two_delta = {k: two[k] - initial[k] for k in two}
