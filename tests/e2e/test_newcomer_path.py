@@ -61,9 +61,10 @@ def test_own_scorer_through_train_and_a_local_eval_of_its_checkpoint(tmp_path):
     small = [f"algorithm.{key}" for key in ("questions_per_step=4", "fresh_per_question=4", "max_response_tokens=16",
              "overlong_buffer_tokens=4", "mini_batch_questions=2")]  # fmt: skip
     # Eager vLLM: a compiled start costs ~40 CPU-seconds more each (two here); `test_doctor` starts the compiled one.
-    small += ["checkpoint.dir=run", "metrics_port=null", "local.rollout_engine.enforce_eager=true"]
+    eager = ["--set", "local.rollout_engine.enforce_eager=true"]
+    small += ["checkpoint.dir=run", "metrics_port=null"]
     train = ["train", "--config", str(REPO / "configs" / "train.yaml"), "--model", "tiny", "--data", data.name]
-    train += ["--pool", "mine", "--steps", "2", *scorer, *(arg for s in small for arg in ("--set", s))]
+    train += ["--pool", "mine", "--steps", "2", *scorer, *eager, *(arg for s in small for arg in ("--set", s))]
     trained = run(train, tmp_path, 540)
     # Its output is a pipe: a line per step (issue 47 item 6).
     steps = [line.split(" step ")[1][:3] for line in trained.stdout.splitlines() if line.startswith("rlep step ")]
@@ -73,7 +74,6 @@ def test_own_scorer_through_train_and_a_local_eval_of_its_checkpoint(tmp_path):
     assert checkpoint.is_dir(), sorted(p.name for p in (tmp_path / "run").iterdir())
     evaluate = ["eval", "--local", "--model", "run/step_2/hf", "--datasets", data.name, "--n", "2"]
     evaluate += ["--max-tokens", "8", "--samples", "samples.jsonl", "--config", str(REPO / "configs" / "train.yaml")]
-    eager = ["--set", "local.rollout_engine.enforce_eager=true"]
     evaluated = run([*evaluate, *scorer, *eager], tmp_path, 400)
     assert "run/step_2/hf: job" in evaluated.stdout and "succeeded" in evaluated.stdout, evaluated.stdout[-2000:]
 
