@@ -30,7 +30,7 @@ class RunningVerifier(RunningService):
 
 
 def start_verifier(config: VerifierConfig) -> RunningVerifier:
-    use_scorer_path(config.scorer_path)  # before the pool: its spawned workers import the scorers from there too
+    use_scorer_path(config.scorer_path)  # before the pool: its workers import the scorers from there too
     registry = service_registry("verifier")
     metrics = VerifierMetrics(registry, scorer_labels(config))
     pool = VerifyPool(

@@ -48,7 +48,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +59,7 @@ from rlep.services.verifier.cache import LruCache
 from rlep.services.verifier.judge import CheckKey, CheckOptions, CheckResult, prepare_check
 from rlep.services.verifier.python_scorer import ScoreCall
 from rlep.services.verifier.queues import CLOSED, WorkQueues
-from rlep.services.verifier.worker import ParseStats, Worker
+from rlep.services.verifier.worker import ParseStats, Worker, worker_context
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +176,7 @@ class VerifyPool:
         self._gold_parsed_by_worker = [0] * num_workers
         self._express = num_workers  # the express worker's index in `_workers`, `_busy` and `_threads`, if any
         self._busy = [threading.Event() for _ in range(num_workers + express)]
-        # spawn, not fork: the parent runs gRPC threads, and forking a threaded process is unsafe.
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self._workers = [Worker(ctx, options, memory_limit_mb, parse_cache_size, wait=False) for _ in self._busy]
         try:
             for worker in self._workers:  # started together: each imports sympy and math-verify (1-3 s)

@@ -69,7 +69,8 @@ def load_function(path: str) -> ScoreFunction:
 
 def use_scorer_path(folders: Iterable[Path]) -> None:
     """Puts `folders` first on this process's module search path, and so on that of the worker processes it
-    spawns afterwards (spawn hands the parent's sys.path on). ValueError naming a folder that does not exist."""
+    starts afterwards (each gets the parent's sys.path at its start). ValueError naming a folder that does not
+    exist."""
     folders = list(folders)
     for folder in folders:
         if not folder.is_dir():

@@ -74,6 +74,17 @@ def _worker_main(conn: Connection, options: CheckOptions, memory_limit_mb: int, 
         conn.send((seq, result, ParseStats(*(a - b for a, b in zip(_snapshot(cache), before, strict=True)))))
 
 
+def worker_context() -> mp.context.BaseContext:
+    """How worker processes start: forked from multiprocessing's fork server, which has imported the worker's
+    modules once. Not a plain fork: the parent runs gRPC threads, and forking a threaded process is unsafe; the fork
+    server is a process of its own, started clean, with one thread. Not spawn: every worker, and every restart
+    after a timeout or crash, would import math-verify, sympy and antlr again (~1 s of CPU, 1-3 s on a busy
+    machine). A worker gets its parent's sys.path and working folder at its start, as under spawn (the
+    environment is the fork server's, taken when the parent first started a worker)."""
+    mp.set_forkserver_preload([__name__, "math_verify", "math_verify.parser", "math_verify.grader"])
+    return mp.get_context("forkserver")
+
+
 def _children_of(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux's /proc; none where it lacks the children lists)."""
     children: list[int] = []

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlep.common.types import Verdict
@@ -34,6 +35,11 @@ def test_hung_worker_is_killed_and_replaced_without_failing_other_items():
         assert time.monotonic() - started < 30
         assert restarts == ["timeout"]
         assert pool.worker_pids[0] != pid_before
+        # Started, and restarted, by forking multiprocessing's fork server, which imported math-verify once; not
+        # spawned (each worker importing it again, ~0.5 CPU-s), not forked from this process (it runs threads).
+        server = psutil.Process(psutil.Process(pool.worker_pids[0]).ppid())
+        assert server.pid != os.getpid() and server.ppid() == os.getpid()
+        assert "multiprocessing.forkserver" in " ".join(server.cmdline()) and "'math_verify'" in server.cmdline()[-1]
     finally:
         pool.close()
 
