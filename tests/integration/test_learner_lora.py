@@ -4,9 +4,13 @@ adapter-only checkpoint resumes bit for bit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 import torch
 
+from rlep.services.learner.batch import ExperienceBatch
 from rlep.services.learner.config import LORA_TARGETS
 from tests.learner_batches import synthetic_batch
 
@@ -75,11 +79,26 @@ def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(o
     assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
-ZERO = pytest.mark.parametrize(("stage", "processes"), [(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
+class AdapterRun(NamedTuple):
+    """One LoRA policy with a KL term, started from the base: two updates, a checkpoint, one more update."""
+
+    stage: int
+    processes: int
+    before: torch.Tensor  # reference logprobs before any update
+    old: torch.Tensor  # the policy's logprobs before any update
+    after: torch.Tensor  # reference logprobs after two updates
+    now: torch.Tensor  # the policy's logprobs after two updates
+    stats: dict  # the second update's statistics
+    checkpoints: Path  # step_2: saved after the two updates
+    with_old: ExperienceBatch  # the batch of the update that followed the checkpoint
+    uninterrupted: tuple[dict, dict[str, torch.Tensor]]  # that update's statistics and the weights it left
 
 
-@ZERO
-def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir, batch, stage, processes):
+@pytest.fixture(scope="module", params=[(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
+def adapter_run(request, ray_local, model_dir, batch, tmp_path_factory) -> AdapterRun:
+    """One policy per ZeRO case (each start costs seconds) for two tests: the KL reference, then the checkpoint."""
+    stage, processes = request.param
+    checkpoints = tmp_path_factory.mktemp("adapter")
     policy = start_policy(model_dir, kl_coef=0.1, stage=stage, processes=processes)
     try:
         before = policy.reference_logprobs(batch)
@@ -88,39 +107,37 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(ray_local, model_dir,
             with_old = batch.with_old_logprobs(policy.logprobs(batch)).with_ref_logprobs(before)
             stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
         after, now = policy.reference_logprobs(batch), policy.logprobs(batch)
-    finally:
-        policy.close()
-    assert torch.equal(before, old)  # B = 0: the policy starts as the base
-    assert torch.equal(after, before)  # the updates moved the policy, never its reference
-    assert (now - old).abs().max() > 1e-3 and stats["kl_ref"] > 0
-
-
-@ZERO
-def test_an_adapter_checkpoint_resumes_exactly(ray_local, model_dir, batch, tmp_path, stage, processes):
-    policy = start_policy(model_dir, stage=stage, processes=processes)
-    try:
-        with_old = batch.with_old_logprobs(policy.logprobs(batch))
-        for _ in range(2):
-            policy.update(with_old, rows_per_mini_batch=batch.size // 2)
-        policy.save_checkpoint(tmp_path, "step_2", policy.rng_state())
+        policy.save_checkpoint(checkpoints, "step_2", policy.rng_state())
         uninterrupted = policy.update(with_old, rows_per_mini_batch=batch.size // 2), policy.state_dict()
     finally:
         policy.close()
-    for states in (tmp_path / "step_2").glob("*mp_rank_00_model_states.pt"):  # one per process under ZeRO-3
+    return AdapterRun(stage, processes, before, old, after, now, stats, checkpoints, with_old, uninterrupted)
+
+
+def test_the_kl_reference_is_the_base_with_the_adapter_off(adapter_run):
+    run = adapter_run
+    assert torch.equal(run.before, run.old)  # B = 0: the policy starts as the base
+    assert torch.equal(run.after, run.before)  # the updates moved the policy, never its reference
+    assert (run.now - run.old).abs().max() > 1e-3 and run.stats["kl_ref"] > 0
+
+
+def test_an_adapter_checkpoint_resumes_exactly(adapter_run, model_dir):
+    run = adapter_run
+    for states in (run.checkpoints / "step_2").glob("*mp_rank_00_model_states.pt"):  # one per process (ZeRO-3)
         saved = torch.load(states, weights_only=False)["module"]
         assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the frozen base is not saved
-    saved_bytes = sum(f.stat().st_size for f in (tmp_path / "step_2").iterdir())
-    assert saved_bytes < 0.5 * sum(t.numel() * t.element_size() for t in uninterrupted[1].values())
+    saved_bytes = sum(f.stat().st_size for f in (run.checkpoints / "step_2").iterdir())
+    assert saved_bytes < 0.5 * sum(t.numel() * t.element_size() for t in run.uninterrupted[1].values())
 
-    resumed = start_policy(model_dir, stage=stage, processes=processes)
+    resumed = start_policy(model_dir, kl_coef=0.1, stage=run.stage, processes=run.processes)
     try:
-        resumed.load_checkpoint(tmp_path, "step_2")
-        after = resumed.update(with_old, rows_per_mini_batch=batch.size // 2), resumed.state_dict()
+        resumed.load_checkpoint(run.checkpoints, "step_2")
+        after = resumed.update(run.with_old, rows_per_mini_batch=run.with_old.size // 2), resumed.state_dict()
     finally:
         resumed.close()
-    assert after[0] == uninterrupted[0]
-    assert after[1].keys() == uninterrupted[1].keys()
-    assert all(torch.equal(after[1][k], uninterrupted[1][k]) for k in after[1])
+    assert after[0] == run.uninterrupted[0]
+    assert after[1].keys() == run.uninterrupted[1].keys()
+    assert all(torch.equal(after[1][k], run.uninterrupted[1][k]) for k in after[1])
 
 
 def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model_dir, tmp_path):
