@@ -77,6 +77,14 @@ class SandboxConfig(StrictModel):
             raise ValueError("the sandbox needs `prlimit` (Debian/Ubuntu: util-linux) to set its resource limits")
         return found
 
+    def setpriv(self) -> str:
+        """The `setpriv` executable (util-linux), which runs a call as its unprivileged user (ValueError when
+        missing)."""
+        found = shutil.which("setpriv")
+        if found is None:
+            raise ValueError("the sandbox needs `setpriv` (Debian/Ubuntu: util-linux) to run code as its own user")
+        return found
+
     def bubblewrap(self) -> str:
         """The `bwrap` executable (ValueError with the fix when it is missing)."""
         found = shutil.which("bwrap")

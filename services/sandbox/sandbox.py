@@ -7,6 +7,7 @@ a queue of slow calls leaves the other slots to the rest. Each running call hold
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import replace
@@ -22,6 +23,8 @@ class Sandbox:
     def __init__(self, config: SandboxConfig):
         config.interpreter()  # fail at start, naming the setting, not at the first call
         config.prlimit()
+        if os.geteuid() == 0:  # root runs each call as an unprivileged user
+            config.setpriv()
         if config.isolation == "bubblewrap":
             config.bubblewrap()
         self.config = config

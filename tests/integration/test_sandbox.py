@@ -176,3 +176,43 @@ def test_the_same_code_is_answered_from_the_cache():
     assert not other.cached
     asleep = "import time; time.sleep(60)"  # a timeout depends on the machine: never cached
     assert sandbox.run(asleep).status == "timeout" and not sandbox.run(asleep).cached
+
+
+def test_calls_start_cleanly_while_other_threads_are_inside_grpc_calls():
+    """A tool rollout runs sandbox calls while its Generate calls are in flight. Started with a plain fork (what
+    Popen's `user=` makes CPython do), the child ran gRPC's fork handlers and crashed before exec: 2-5 of 300 calls
+    came back `killed`, gRPC's poller errors as their stderr (a CI-sized run: 1 of 128 episodes failed)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+
+    def keep_calling() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+
+    callers = [threading.Thread(target=keep_calling) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    config = SandboxConfig(**LIMITS | {"concurrency": 4})
+    try:
+        with futures.ThreadPoolExecutor(4) as pool:
+            results = list(
+                pool.map(lambda i: run_code(f"print({i})", config, uid=config.run_as_uid + i % 4), range(300))
+            )
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(10)
+        server.stop(0)
+    failed = [(r.status, r.stderr[-200:]) for r in results if r.status != "ok"]
+    assert not failed, failed
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(300)]
