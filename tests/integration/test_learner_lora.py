@@ -154,15 +154,23 @@ def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model
         policy.close()
 
 
+class Update(NamedTuple):
+    """One LoRA update from the base, as the weights leave the learner (merged)."""
+
+    initial: dict[str, torch.Tensor]  # before it
+    stats: dict
+    final: dict[str, torch.Tensor]  # after it
+    manifest: list[str]  # the push manifest's names
+    hf: Path | None  # the HF checkpoint exported after it, if asked for
+
+
 @pytest.fixture(scope="module")
-def one_process_update(ray_local, model_dir, batch, tmp_path_factory):
-    """ZeRO-2, one process, one update (shared: a learner start is ~7 CPU-seconds): (initial merged weights, update
-    stats, merged weights after it, the push manifest's names, the HF checkpoint it exported)."""
-    hf = tmp_path_factory.mktemp("lora") / "hf"
-    return (*run_update(model_dir, batch, stage=2, processes=1, hf_dir=hf), hf)
+def one_process_update(ray_local, model_dir, batch, tmp_path_factory) -> Update:
+    """ZeRO-2, one process, one update, with an HF export (shared: a learner start is ~7 CPU-seconds)."""
+    return run_update(model_dir, batch, stage=2, processes=1, hf_dir=tmp_path_factory.mktemp("lora") / "hf")
 
 
-def run_update(model_dir, batch, stage: int, processes: int, hf_dir=None):
+def run_update(model_dir, batch, stage: int, processes: int, hf_dir: Path | None = None) -> Update:
     policy = start_policy(model_dir, stage=stage, processes=processes)
     try:
         initial = policy.state_dict()
@@ -171,7 +179,7 @@ def run_update(model_dir, batch, stage: int, processes: int, hf_dir=None):
         final = policy.state_dict()
         if hf_dir is not None:
             policy.save_hf(hf_dir, model_dir)
-        return initial, stats, final, manifest
+        return Update(initial, stats, final, manifest, hf_dir)
     finally:
         policy.close()
 
@@ -181,8 +189,8 @@ def test_lora_over_two_processes_makes_the_one_process_update(one_process_update
     """Two learner processes (rows split, adapter gradients all-reduced over gloo; under ZeRO-3 the frozen base and
     the adapters partitioned too, gathered a layer at a time for the merge) move the merged weights as one process
     does (what rank 0 pushes), and only the adapted ones."""
-    initial, one_stats, one, _, _ = one_process_update
-    start, two_stats, two, _ = run_update(model_dir, batch, stage, processes)
+    initial, one_stats, one = one_process_update.initial, one_process_update.stats, one_process_update.final
+    start, two_stats, two = run_update(model_dir, batch, stage, processes)[:3]
     assert start.keys() == initial.keys() and all(torch.equal(start[k], initial[k]) for k in initial)
     one_delta = {k: one[k] - initial[k] for k in one}
     two_delta = {k: two[k] - initial[k] for k in two}
