@@ -189,13 +189,13 @@ def test_lora_over_two_processes_makes_the_one_process_update(one_process_update
     """Two learner processes (rows split, adapter gradients all-reduced over gloo; under ZeRO-3 the frozen base and
     the adapters partitioned too, gathered a layer at a time for the merge) move the merged weights as one process
     does (what rank 0 pushes), and only the adapted ones."""
-    initial, one_stats, one = one_process_update.initial, one_process_update.stats, one_process_update.final
-    start, two_stats, two = run_update(model_dir, batch, stage, processes)[:3]
-    assert start.keys() == initial.keys() and all(torch.equal(start[k], initial[k]) for k in initial)
-    one_delta = {k: one[k] - initial[k] for k in one}
-    two_delta = {k: two[k] - initial[k] for k in two}
-    assert {k for k, d in two_delta.items() if d.abs().max() > 0} == {k for k in two if adapted(k)}
-    difference = sum(float((one_delta[k] - two_delta[k]).pow(2).sum()) for k in one) ** 0.5
+    one, two = one_process_update, run_update(model_dir, batch, stage, processes)
+    initial = one.initial
+    assert two.initial.keys() == initial.keys() and all(torch.equal(two.initial[k], initial[k]) for k in initial)
+    one_delta = {k: one.final[k] - initial[k] for k in one.final}
+    two_delta = {k: two.final[k] - initial[k] for k in two.final}
+    assert {k for k, d in two_delta.items() if d.abs().max() > 0} == {k for k in two.final if adapted(k)}
+    difference = sum(float((one_delta[k] - two_delta[k]).pow(2).sum()) for k in one.final) ** 0.5
     assert difference < 1e-2 * sum(float(d.pow(2).sum()) for d in one_delta.values()) ** 0.5
-    assert two_stats["loss"] == pytest.approx(one_stats["loss"], rel=1e-4, abs=1e-6)
-    assert two_stats["optimizer_steps"] == one_stats["optimizer_steps"] == 2.0
+    assert two.stats["loss"] == pytest.approx(one.stats["loss"], rel=1e-4, abs=1e-6)
+    assert two.stats["optimizer_steps"] == one.stats["optimizer_steps"] == 2.0
