@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -62,17 +63,30 @@ def start_policy(
     return RayPolicy(model_dir, config)
 
 
-def run_update(model_dir, batch: ExperienceBatch, case: tuple, hf_dir: Path | None = None):
+class Update(NamedTuple):
+    initial: dict[str, torch.Tensor]
+    old: torch.Tensor  # the old logprobs
+    stats: dict[str, float]
+    final: dict[str, torch.Tensor]
+    seen: Any = None  # what the case's `before_update` observed on the started policy
+
+
+def run_update(
+    model_dir, batch: ExperienceBatch, case: tuple, hf_dir: Path | None = None, before_update=None
+) -> Update:
+    """One case's update. `before_update(policy)` first looks at the started policy (without changing its weights or
+    optimizer state): a case whose engine another test needs is started once, for both."""
     stage, processes, checkpointing, extra = case
     deepspeed = {"gradient_checkpointing": checkpointing, **extra.get("deepspeed", {})}
     policy = start_policy(model_dir, stage, processes, optim=extra.get("optim"), **deepspeed)
     try:
+        seen = before_update(policy) if before_update is not None else None
         initial = policy.state_dict()
         with_old = batch.with_old_logprobs(policy.logprobs(batch))
         stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
         if hf_dir is not None:
             policy.save_hf(hf_dir, model_dir)
-        return initial, with_old.old_logprobs, stats, policy.state_dict()
+        return Update(initial, with_old.old_logprobs, stats, policy.state_dict(), seen)
     finally:
         policy.close()
 
@@ -95,8 +109,19 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def updates(ray_local, model_dir, batch, hf_dir):
-    return {case_id(case): run_update(model_dir, batch, case, hf_dir if case == CASES[0] else None) for case in CASES}
+def updates(ray_local, model_dir, batch, hf_dir, tmp_path_factory) -> dict[str, Update]:
+    """Every case's update. ZeRO-2 and ZeRO-3 over two processes (CASES[1], CASES[2]) are first looked at by the
+    host-copy and the gather tests (their `before_update`)."""
+    observe = {
+        "zero2-x2": lambda policy: host_copies(policy, model_dir, tmp_path_factory.mktemp("host_copies")),
+        "zero3-x2": lambda policy: gathers_and_broadcast(policy),
+    }
+    return {
+        case_id(case): run_update(
+            model_dir, batch, case, hf_dir if case == CASES[0] else None, observe.get(case_id(case))
+        )
+        for case in CASES
+    }
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -106,8 +131,8 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference:
 
 @pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
-    ref_initial, ref_old, ref_stats, ref_final = updates[case_id(CASES[0])]
-    initial, old, stats, final = updates[case_id(case)]
+    ref_initial, ref_old, ref_stats, ref_final, _ = updates[case_id(CASES[0])]
+    initial, old, stats, final, _ = updates[case_id(case)]
     assert all(torch.equal(initial[k], ref_initial[k]) for k in ref_initial)
     torch.testing.assert_close(old, ref_old, rtol=1e-5, atol=1e-5)
     ref_delta = {k: ref_final[k] - ref_initial[k] for k in ref_final}
@@ -121,7 +146,7 @@ def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
 
 
 def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(updates):
-    initial, _, stats, final = updates[case_id(CASES[0])]
+    initial, _, stats, final, _ = updates[case_id(CASES[0])]
     moved = {k for k in final if not torch.equal(final[k], initial[k])}
     assert moved == set(final)
     # No warm-up: the first of the two Adam steps already uses the full lr (~lr per weight per step).
@@ -206,7 +231,7 @@ def test_bf16_trains_in_bf16_and_pushes_the_checkpoint_dtype(updates, model_dir,
     """Pushes match what the replicas loaded (the float32 checkpoint); the HF export keeps the training dtype."""
     from safetensors.torch import load_file
 
-    _, ref_old, _, _ = updates[case_id(CASES[0])]
+    ref_old = updates[case_id(CASES[0])].old
     policy = start_policy(model_dir, dtype="bf16")
     try:
         old = policy.logprobs(batch)
@@ -269,38 +294,41 @@ def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_pa
     assert all((target / name).read_text() == name for name in tokenizer_files)
 
 
-def test_zero3_weights_are_gathered_one_by_one_kept_on_rank_0_and_streamed_to_a_broadcast(ray_local, model_dir):
-    """Under ZeRO-3 a rank > 0 takes part in every gather and keeps no copy ({}); rank 0's broadcast sends each
-    parameter as it is gathered, and a receiver gets exactly the weights `state_dict()` returns."""
+def gathers_and_broadcast(policy) -> tuple[dict, dict, dict]:
+    """On a started ZeRO-3 policy over two processes: (rank 0's state_dict, rank 1's, what a broadcast receiver got)."""
     import threading
 
     import ray
-    from safetensors.torch import load_file
 
     from rlep.common.ports import free_port
     from rlep.services.weights.broadcast import BroadcastGroup, receive_state_dict, setup_communicator
 
-    policy = start_policy(model_dir, stage=3, processes=2)
-    try:
-        rank0, rank1 = ray.get([actor.state_dict.remote() for actor in policy.actors])
-        checkpoint = load_file(model_dir / "model.safetensors")
-        assert rank1 == {} and rank0.keys() == checkpoint.keys()
-        assert all(torch.equal(rank0[k], checkpoint[k]) for k in checkpoint)
+    rank0, rank1 = ray.get([actor.state_dict.remote() for actor in policy.actors])
+    group = BroadcastGroup(policy.broadcast_address(), free_port(), world_size=2, backend="gloo", timeout_s=60)
+    entries, received = policy.weight_manifest(), {}
 
-        group = BroadcastGroup(policy.broadcast_address(), free_port(), world_size=2, backend="gloo", timeout_s=60)
-        entries, received = policy.weight_manifest(), {}
+    def receive() -> None:
+        communicator = setup_communicator(group, 1)
+        received.update(receive_state_dict(communicator, entries))
+        communicator.close()
 
-        def receive() -> None:
-            communicator = setup_communicator(group, 1)
-            received.update(receive_state_dict(communicator, entries))
-            communicator.close()
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    policy.broadcast_weights(group)
+    receiver.join(60)
+    return rank0, rank1, received
 
-        receiver = threading.Thread(target=receive)
-        receiver.start()
-        policy.broadcast_weights(group)
-        receiver.join(60)
-    finally:
-        policy.close()
+
+def test_zero3_weights_are_gathered_one_by_one_kept_on_rank_0_and_streamed_to_a_broadcast(updates, model_dir):
+    """Under ZeRO-3 a rank > 0 takes part in every gather and keeps no copy ({}); rank 0's broadcast sends each
+    parameter as it is gathered, and a receiver gets exactly the weights `state_dict()` returns (looked at on the
+    zero3-x2 case's policy before its update)."""
+    from safetensors.torch import load_file
+
+    rank0, rank1, received = updates["zero3-x2"].seen
+    checkpoint = load_file(model_dir / "model.safetensors")
+    assert rank1 == {} and rank0.keys() == checkpoint.keys()
+    assert all(torch.equal(rank0[k], checkpoint[k]) for k in checkpoint)
     assert received.keys() == checkpoint.keys()
     assert all(torch.equal(received[k], checkpoint[k]) for k in checkpoint)
 
@@ -330,39 +358,56 @@ def _host_bytes_allocated(process, call: str, *args):
     return counter.allocated, result
 
 
-def test_outside_zero3_only_rank_0_copies_the_weights_to_the_host(ray_local, model_dir, tmp_path):
-    """state_dict, the broadcast manifest, the HF export and a payload push are sent or saved by rank 0 alone: a
-    rank > 0 makes no host copy of the weights for them (at 7B: 15.2 GB per process), and the manifest needs none
-    on rank 0 either. Counted as the bytes of host tensors each call allocates."""
+class HostCopies(NamedTuple):
+    """(rank 0's, rank 1's) (bytes of host tensors allocated, result) per call, on ZeRO-2 over two processes."""
+
+    state_dict: tuple[tuple[int, dict], tuple[int, dict]]
+    manifest: tuple[tuple[int, list], tuple[int, list]]
+    save_hf: tuple[tuple[int, None], tuple[int, None]]
+    rank1_push: tuple[int, Any]
+    hf_dir: Path
+
+
+def host_copies(policy, model_dir: Path, tmp: Path) -> HostCopies:
     import ray
 
     from rlep.services.rollout.client import ReplicaTarget
     from rlep.services.weights.config import AutoSyncConfig
 
+    def on_both(call: str, *args):
+        return tuple(ray.get([a.__ray_call__.remote(_host_bytes_allocated, call, *args) for a in policy.actors]))
+
+    state_dict, manifest, save_hf = (
+        on_both("state_dict"),
+        on_both("weight_manifest"),
+        on_both("save_hf", tmp, model_dir),
+    )
+    # A push's payload is rank 0's to send (outside ZeRO-3 no rank waits on another): rank 1 alone is asked.
+    target = ReplicaTarget(addresses=("127.0.0.1:9",), token=None, timeout_s=1.0)
+    push = ray.get(
+        policy.actors[1].__ray_call__.remote(_host_bytes_allocated, "push_weights", target, 1, AutoSyncConfig())
+    )
+    return HostCopies(state_dict, manifest, save_hf, push, tmp)
+
+
+def test_outside_zero3_only_rank_0_copies_the_weights_to_the_host(updates, model_dir):
+    """state_dict, the broadcast manifest, the HF export and a payload push are sent or saved by rank 0 alone: a
+    rank > 0 makes no host copy of the weights for them (at 7B: 15.2 GB per process), and the manifest needs none
+    on rank 0 either. Counted as the bytes of host tensors each call allocates, on the zero2-x2 case's policy before
+    its update."""
+    seen: HostCopies = updates["zero2-x2"].seen
     model_bytes = (model_dir / "model.safetensors").stat().st_size  # 4 MB of float32 weights
-    policy = start_policy(model_dir, stage=2, processes=2)
-    try:
-
-        def on_both(call: str, *args):
-            return ray.get([a.__ray_call__.remote(_host_bytes_allocated, call, *args) for a in policy.actors])
-
-        (rank0_bytes, rank0_state), (rank1_bytes, rank1_state) = on_both("state_dict")
-        assert rank0_state.keys() and rank1_state == {}
-        assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
-        (rank0_bytes, manifest), (rank1_bytes, rank1_manifest) = on_both("weight_manifest")
-        assert [name for name, _ in manifest] == list(rank0_state) and rank1_manifest == []
-        assert rank0_bytes == rank1_bytes == 0
-        (rank0_bytes, _), (rank1_bytes, _) = on_both("save_hf", tmp_path / "hf", model_dir)
-        assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
-        assert (tmp_path / "hf" / "model.safetensors").exists()
-        # A push's payload is rank 0's to send (outside ZeRO-3 no rank waits on another): rank 1 alone is asked.
-        target = ReplicaTarget(addresses=("127.0.0.1:9",), token=None, timeout_s=1.0)
-        rank1_bytes, answer = ray.get(
-            policy.actors[1].__ray_call__.remote(_host_bytes_allocated, "push_weights", target, 1, AutoSyncConfig())
-        )
-        assert answer is None and rank1_bytes == 0
-    finally:
-        policy.close()
+    (rank0_bytes, rank0_state), (rank1_bytes, rank1_state) = seen.state_dict
+    assert rank0_state.keys() and rank1_state == {}
+    assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
+    (rank0_bytes, manifest), (rank1_bytes, rank1_manifest) = seen.manifest
+    assert [name for name, _ in manifest] == list(rank0_state) and rank1_manifest == []
+    assert rank0_bytes == rank1_bytes == 0
+    (rank0_bytes, _), (rank1_bytes, _) = seen.save_hf
+    assert rank0_bytes >= 0.99 * model_bytes and rank1_bytes == 0
+    assert (seen.hf_dir / "model.safetensors").exists()
+    rank1_bytes, answer = seen.rank1_push
+    assert answer is None and rank1_bytes == 0
 
 
 def _count_trace_invalidations(process) -> None:
