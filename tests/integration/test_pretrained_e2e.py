@@ -163,7 +163,7 @@ def test_rlep_on_a_released_pool_with_a_pretrained_model(
             "require_replay": True,
         },
         "optim": {"lr": 1e-5, "warmup_steps": 0, "micro_batch_size": 4},
-        "deepspeed": {"zero_stage": 2, "gradient_checkpointing": True},
+        "deepspeed": {"zero_stage": 2},
         "data": {"train_files": [str(train_file)], "shuffle": False},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 2, "keep_last": 1},
         "endpoints": {
