@@ -61,11 +61,12 @@ def adapted(name: str) -> bool:
     return name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in LORA_TARGETS
 
 
-def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(one_process_update, plain):
+def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(adapter_runs, plain):
+    """ZeRO-2, one process: the first update of its adapter run, with an HF export after it."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    initial, stats, final, manifest, hf = one_process_update
+    initial, stats, final, manifest, hf = adapter_runs["zero2"].first
     # B starts at 0: the first push is the starting checkpoint, under its own names and in its order.
     assert list(initial) == manifest == list(plain)
     assert all(torch.equal(initial[k], plain[k]) for k in plain)
@@ -79,11 +80,22 @@ def test_an_update_moves_only_the_adapted_weights_and_everything_leaves_merged(o
     assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
+class Update(NamedTuple):
+    """One LoRA update from the base, as the weights leave the learner (merged)."""
+
+    initial: dict[str, torch.Tensor]  # before it
+    stats: dict
+    final: dict[str, torch.Tensor]  # after it
+    manifest: list[str]  # the push manifest's names
+    hf: Path | None  # the HF checkpoint exported after it, if asked for
+
+
 class AdapterRun(NamedTuple):
     """One LoRA policy with a KL term, started from the base: two updates, a checkpoint, one more update."""
 
     stage: int
     processes: int
+    first: Update  # the first of the two updates
     before: torch.Tensor  # reference logprobs before any update
     old: torch.Tensor  # the policy's logprobs before any update
     after: torch.Tensor  # reference logprobs after two updates
@@ -94,35 +106,59 @@ class AdapterRun(NamedTuple):
     uninterrupted: tuple[dict, dict[str, torch.Tensor]]  # that update's statistics and the weights it left
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (3, 2)], ids=["zero2", "zero3-x2"])
-def adapter_run(request, ray_local, model_dir, batch, tmp_path_factory) -> AdapterRun:
-    """One policy per ZeRO case (each start costs seconds) for two tests: the KL reference, then the checkpoint."""
-    stage, processes = request.param
-    checkpoints = tmp_path_factory.mktemp("adapter")
+ADAPTER_CASES = {"zero2": (2, 1), "zero3-x2": (3, 2)}
+
+
+def update_from_the_base(policy, model_dir, batch, reference: torch.Tensor, hf_dir: Path | None = None) -> Update:
+    """The first update (two mini-batches, the KL term against `reference`), with what leaves the learner."""
+    initial = policy.state_dict()
+    manifest = [name for name, _ in policy.weight_manifest()]
+    with_old = batch.with_old_logprobs(policy.logprobs(batch)).with_ref_logprobs(reference)
+    stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
+    final = policy.state_dict()
+    if hf_dir is not None:
+        policy.save_hf(hf_dir, model_dir)
+    return Update(initial, stats, final, manifest, hf_dir)
+
+
+def adapter_run(model_dir, batch, stage: int, processes: int, folder: Path) -> AdapterRun:
+    checkpoints = folder / "checkpoints"
     policy = start_policy(model_dir, kl_coef=0.1, stage=stage, processes=processes)
     try:
         before = policy.reference_logprobs(batch)
         old = policy.logprobs(batch)
-        for _ in range(2):
-            with_old = batch.with_old_logprobs(policy.logprobs(batch)).with_ref_logprobs(before)
-            stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
+        first = update_from_the_base(policy, model_dir, batch, before, folder / "hf")
+        with_old = batch.with_old_logprobs(policy.logprobs(batch)).with_ref_logprobs(before)
+        stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
         after, now = policy.reference_logprobs(batch), policy.logprobs(batch)
         policy.save_checkpoint(checkpoints, "step_2", policy.rng_state())
         uninterrupted = policy.update(with_old, rows_per_mini_batch=batch.size // 2), policy.state_dict()
     finally:
         policy.close()
-    return AdapterRun(stage, processes, before, old, after, now, stats, checkpoints, with_old, uninterrupted)
+    return AdapterRun(stage, processes, first, before, old, after, now, stats, checkpoints, with_old, uninterrupted)
 
 
-def test_the_kl_reference_is_the_base_with_the_adapter_off(adapter_run):
-    run = adapter_run
+@pytest.fixture(scope="module")
+def adapter_runs(ray_local, model_dir, batch, tmp_path_factory) -> dict[str, AdapterRun]:
+    """One policy per ZeRO case (each start costs seconds) for four tests: the first update's merged weights and its
+    one- against two-process comparison, the KL reference, then the checkpoint."""
+    return {
+        name: adapter_run(model_dir, batch, stage, processes, tmp_path_factory.mktemp(name))
+        for name, (stage, processes) in ADAPTER_CASES.items()
+    }
+
+
+@pytest.mark.parametrize("case", ADAPTER_CASES)
+def test_the_kl_reference_is_the_base_with_the_adapter_off(adapter_runs, case):
+    run = adapter_runs[case]
     assert torch.equal(run.before, run.old)  # B = 0: the policy starts as the base
     assert torch.equal(run.after, run.before)  # the updates moved the policy, never its reference
     assert (run.now - run.old).abs().max() > 1e-3 and run.stats["kl_ref"] > 0
 
 
-def test_an_adapter_checkpoint_resumes_exactly(adapter_run, model_dir):
-    run = adapter_run
+@pytest.mark.parametrize("case", ADAPTER_CASES)
+def test_an_adapter_checkpoint_resumes_exactly(adapter_runs, case, model_dir):
+    run = adapter_runs[case]
     for states in (run.checkpoints / "step_2").glob("*mp_rank_00_model_states.pt"):  # one per process (ZeRO-3)
         saved = torch.load(states, weights_only=False)["module"]
         assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the frozen base is not saved
@@ -154,42 +190,20 @@ def test_a_full_fine_tuning_checkpoint_is_refused_by_a_lora_run(ray_local, model
         policy.close()
 
 
-class Update(NamedTuple):
-    """One LoRA update from the base, as the weights leave the learner (merged)."""
-
-    initial: dict[str, torch.Tensor]  # before it
-    stats: dict
-    final: dict[str, torch.Tensor]  # after it
-    manifest: list[str]  # the push manifest's names
-    hf: Path | None  # the HF checkpoint exported after it, if asked for
-
-
-@pytest.fixture(scope="module")
-def one_process_update(ray_local, model_dir, batch, tmp_path_factory) -> Update:
-    """ZeRO-2, one process, one update, with an HF export (shared: a learner start is ~7 CPU-seconds)."""
-    return run_update(model_dir, batch, stage=2, processes=1, hf_dir=tmp_path_factory.mktemp("lora") / "hf")
-
-
-def run_update(model_dir, batch, stage: int, processes: int, hf_dir: Path | None = None) -> Update:
-    policy = start_policy(model_dir, stage=stage, processes=processes)
-    try:
-        initial = policy.state_dict()
-        manifest = [name for name, _ in policy.weight_manifest()]
-        stats = policy.update(batch.with_old_logprobs(policy.logprobs(batch)), rows_per_mini_batch=batch.size // 2)
-        final = policy.state_dict()
-        if hf_dir is not None:
-            policy.save_hf(hf_dir, model_dir)
-        return Update(initial, stats, final, manifest, hf_dir)
-    finally:
-        policy.close()
-
-
-@pytest.mark.parametrize(("stage", "processes"), [(2, 2), (3, 2)], ids=["zero2-x2", "zero3-x2"])
-def test_lora_over_two_processes_makes_the_one_process_update(one_process_update, model_dir, batch, stage, processes):
+@pytest.mark.parametrize("case", ["zero2-x2", "zero3-x2"])
+def test_lora_over_two_processes_makes_the_one_process_update(adapter_runs, model_dir, batch, case):
     """Two learner processes (rows split, adapter gradients all-reduced over gloo; under ZeRO-3 the frozen base and
     the adapters partitioned too, gathered a layer at a time for the merge) move the merged weights as one process
-    does (what rank 0 pushes), and only the adapted ones."""
-    one, two = one_process_update, run_update(model_dir, batch, stage, processes)
+    does (what rank 0 pushes), and only the adapted ones. ZeRO-3's is the first update of its adapter run."""
+    one = adapter_runs["zero2"].first
+    if case == "zero3-x2":
+        two = adapter_runs["zero3-x2"].first
+    else:
+        policy = start_policy(model_dir, kl_coef=0.1, stage=2, processes=2)
+        try:
+            two = update_from_the_base(policy, model_dir, batch, policy.reference_logprobs(batch))
+        finally:
+            policy.close()
     initial = one.initial
     assert two.initial.keys() == initial.keys() and all(torch.equal(two.initial[k], initial[k]) for k in initial)
     one_delta = {k: one.final[k] - initial[k] for k in one.final}
