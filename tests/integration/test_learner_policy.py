@@ -114,7 +114,7 @@ def updates(ray_local, model_dir, batch, hf_dir, tmp_path_factory) -> dict[str, 
     host-copy and the gather tests (their `before_update`)."""
     observe = {
         "zero2-x2": lambda policy: host_copies(policy, model_dir, tmp_path_factory.mktemp("host_copies")),
-        "zero3-x2": lambda policy: gathers_and_broadcast(policy),
+        "zero3-x2": gathers_and_broadcast,
     }
     return {
         case_id(case): run_update(
@@ -266,32 +266,6 @@ def test_saved_checkpoint_keeps_tokenizer_and_chat_template(updates, model_dir, 
     text = rendered + "\\boxed{81}\nTabs\tand (symbols) ~!@#"
     assert saved.encode(text) == source.encode(text)
     assert saved.decode(saved.encode(text)) == source.decode(source.encode(text))
-
-
-def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_path):
-    from rlep.services.learner.policy import copy_tokenizer_files
-
-    source, target = tmp_path / "source", tmp_path / "target"
-    tokenizer_files = [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "tokenizer.model",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "chat_template.jinja",
-        "vocab.json",
-        "merges.txt",
-        "generation_config.json",
-        "additional_chat_templates/tool_use.jinja",
-    ]
-    for name in [*tokenizer_files, "config.json", "model.safetensors", "rlep_model_spec.json"]:
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        (source / name).write_text(name)
-    target.mkdir()
-    copy_tokenizer_files(source, target)
-    copied = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
-    assert copied == set(tokenizer_files)
-    assert all((target / name).read_text() == name for name in tokenizer_files)
 
 
 def gathers_and_broadcast(policy) -> tuple[dict, dict, dict]:

@@ -1,4 +1,5 @@
-"""The learner's tokenizer side: prompt truncation, replayed answers re-tokenised, fingerprints, reward rules."""
+"""The learner's tokenizer side: prompt truncation, replayed answers re-tokenised, fingerprints, reward rules, and
+the tokenizer files a saved checkpoint takes along."""
 
 from __future__ import annotations
 
@@ -137,3 +138,29 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_vary():
     # Same correctness, different shaped rewards: only the `score` metric sees a difference.
     shaped = group(Verdict.WRONG, Verdict.WRONG, rewards=[-1.0, -1.5])
     assert not group_varies(shaped, "acc") and group_varies(shaped, "score")
+
+
+def test_copy_tokenizer_files_takes_every_tokenizer_file_and_nothing_else(tmp_path):
+    from rlep.services.learner.policy import copy_tokenizer_files
+
+    source, target = tmp_path / "source", tmp_path / "target"
+    tokenizer_files = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+        "generation_config.json",
+        "additional_chat_templates/tool_use.jinja",
+    ]
+    for name in [*tokenizer_files, "config.json", "model.safetensors", "rlep_model_spec.json"]:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(name)
+    target.mkdir()
+    copy_tokenizer_files(source, target)
+    copied = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
+    assert copied == set(tokenizer_files)
+    assert all((target / name).read_text() == name for name in tokenizer_files)
