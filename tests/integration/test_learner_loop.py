@@ -8,6 +8,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -170,20 +171,29 @@ def test_rlep_steps_train_replay_and_push(loop_stack, tmp_path, caplog):
         assert scalars[name] == pytest.approx(by_step, rel=1e-6), name
 
 
-def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path):
-    """A short job's final figures stay scrapable after its last step (Prometheus scrapes every 15-30 s)."""
-    import logging
+class OverlappedRun(NamedTuple):
+    records: list[StepRecord]
+    log: list[LogRecord]
+    lingering_step: float  # rlep_learner_step scraped once the step loop had ended, while /metrics lingered
+    lingered_s: float  # from the linger's announcement to run_training's return
+    after_linger: Exception | None  # what a scrape raised once run_training had returned
+    replica_versions: list[int]  # the replicas' policy versions once it had returned
+
+
+@pytest.fixture(scope="module")
+def overlapped_run(loop_stack, tmp_path_factory) -> OverlappedRun:
+    """Three steps with max_staleness=1 and metrics_linger_s=6, on the real stack: run_training in a thread, /metrics
+    scraped when it announces the linger (its step loop has ended) and again once it has returned."""
     import threading
-    import urllib.error
 
     from rlep.services.launch.training import run_training
     from tests.conftest import free_port
     from tests.metrics_util import scrape, series_value
 
-    rows = arithmetic_parquet(tmp_path / "train.parquet", 8)
-    config = train_config(tmp_path, tmp_path / "train.parquet").model_copy(
-        update={"steps": 1, "metrics_port": free_port(), "metrics_linger_s": 5.0}
-    )
+    tmp_path = tmp_path_factory.mktemp("overlapped")
+    rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
+    config = train_config(tmp_path, tmp_path / "train.parquet", max_staleness=1)
+    config = config.model_copy(update={"metrics_port": free_port(), "metrics_linger_s": 6.0})
     seed_pool(loop_stack, config.replay_pool, rows)
     lingering = threading.Event()
 
@@ -196,7 +206,7 @@ def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path)
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    records: list = []
+    records: list[StepRecord] = []
     training = threading.Thread(
         target=lambda: records.extend(run_training(config, stack=loop_stack, show_progress=False))
     )
@@ -204,33 +214,47 @@ def test_metrics_outlive_the_last_step_by_metrics_linger_s(loop_stack, tmp_path)
         training.start()
         while not lingering.wait(1):
             assert training.is_alive(), "run_training ended without keeping /metrics up"
-        assert series_value(scrape(config.metrics_port), "rlep_learner_step") == 1  # after the last step
+        announced = time.monotonic()
+        lingering_step = series_value(scrape(config.metrics_port), "rlep_learner_step")
         training.join(120)
-        assert not training.is_alive() and [r.step for r in records] == [1]
+        lingered_s = time.monotonic() - announced
+        assert not training.is_alive(), "run_training did not return within 120 s of its linger"
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    with pytest.raises(urllib.error.URLError):
-        scrape(config.metrics_port)  # the server stops when the linger ends
+    try:
+        scrape(config.metrics_port)
+        after_linger = None
+    except Exception as err:  # noqa: BLE001 - the test looks at which
+        after_linger = err
+    log = read_step_log(tmp_path / "ckpt" / "log.jsonl")
+    versions = loop_stack.services.rollout.versions()
+    return OverlappedRun(records, log, lingering_step, lingered_s, after_linger, versions)
 
 
-def test_overlapped_steps_train_on_samples_one_version_old(loop_stack, tmp_path):
+def test_metrics_outlive_the_last_step_by_metrics_linger_s(overlapped_run):
+    """A short job's final figures stay scrapable after its last step (Prometheus scrapes every 15-30 s); the
+    server stops when the linger ends."""
+    import urllib.error
+
+    assert [r.step for r in overlapped_run.records] == [1, 2, 3]
+    assert overlapped_run.lingering_step == 3  # after the last step
+    # metrics_linger_s is 6: the announcement is seen a moment after it is made. Without the linger, what is left
+    # between the two is the teardown (the learner actor's stop, the server's), ~1 s.
+    assert overlapped_run.lingered_s > 5.5, overlapped_run.lingered_s
+    assert isinstance(overlapped_run.after_linger, urllib.error.URLError), overlapped_run.after_linger
+
+
+def test_overlapped_steps_train_on_samples_one_version_old(overlapped_run):
     """max_staleness=1 on the real stack: after the first step, each step's samples were generated while the
     previous step trained (one version old), replay is mixed in as before, and the replicas end on the last push."""
-    from rlep.services.launch.training import run_training
-
-    rows = arithmetic_parquet(tmp_path / "train.parquet", 12)
-    config = train_config(tmp_path, tmp_path / "train.parquet", max_staleness=1)
-    seed_pool(loop_stack, config.replay_pool, rows)
-
-    records = run_training(config, stack=loop_stack, show_progress=False)
-
+    records = overlapped_run.records
     assert [r.step for r in records] == [1, 2, 3]
     assert records[0].policy_staleness_max == 0
     assert [r.policy_staleness_max for r in records[1:]] == [1, 1]
     assert all(r.groups_dropped_stale == 0 and r.replay_used == 2 * 4 for r in records)
-    assert loop_stack.services.rollout.versions() == [records[-1].policy_version]
-    assert read_step_log(tmp_path / "ckpt" / "log.jsonl") == records
+    assert overlapped_run.replica_versions == [records[-1].policy_version]
+    assert overlapped_run.log == records
 
 
 def _log_steps(path: Path) -> list[LogRecord]:
@@ -307,11 +331,15 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
 
     info = json.loads((tmp_path / "ckpt" / "step_4" / INFO_FILE).read_text())
     assert (info["step"], info["lora_rank"]) == (4, 0)
-    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=_left(started))
-    assert again.returncode == 0 and "at step 4 and this run trains 4 steps: nothing to do" in again.stdout
-    other = [*command, "--resume", "--set", "lora.rank=4"]
-    refused = subprocess.run(other, capture_output=True, text=True, timeout=_left(started))
-    assert refused.returncode == 2 and "was trained with full fine-tuning" in refused.stderr, refused.stderr[-2000:]
+    # Both are answered before Ray or a service is reached: the command runs in this process (two fewer starts).
+    from typer.testing import CliRunner
+
+    from rlep.services.cli.app import app
+
+    again = CliRunner().invoke(app, [*command[len(rlep_command()) :], "--resume"])
+    assert again.exit_code == 0 and "at step 4 and this run trains 4 steps: nothing to do" in again.stdout
+    refused = CliRunner().invoke(app, [*command[len(rlep_command()) :], "--resume", "--set", "lora.rank=4"])
+    assert refused.exit_code == 2 and "was trained with full fine-tuning" in refused.stderr, refused.output[-2000:]
     assert [r.step for r in _log_steps(log_path)] == [1, 2, 3, 4]
 
     # The same run without the kill, on the same services: same rewards, same weights, same optimizer state.

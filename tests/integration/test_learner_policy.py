@@ -69,13 +69,15 @@ class Update(NamedTuple):
     stats: dict[str, float]
     final: dict[str, torch.Tensor]
     seen: Any = None  # what the case's `before_update` observed on the started policy
+    after: Any = None  # what its `after_update` did with the policy once the update's figures were taken
 
 
 def run_update(
-    model_dir, batch: ExperienceBatch, case: tuple, hf_dir: Path | None = None, before_update=None
+    model_dir, batch: ExperienceBatch, case: tuple, hf_dir: Path | None = None, before_update=None, after_update=None
 ) -> Update:
     """One case's update. `before_update(policy)` first looks at the started policy (without changing its weights or
-    optimizer state): a case whose engine another test needs is started once, for both."""
+    optimizer state), `after_update(policy)` may go on training it once the update's figures are taken: a case whose
+    engine another test needs is started once, for both."""
     stage, processes, checkpointing, extra = case
     deepspeed = {"gradient_checkpointing": checkpointing, **extra.get("deepspeed", {})}
     policy = start_policy(model_dir, stage, processes, optim=extra.get("optim"), **deepspeed)
@@ -86,7 +88,9 @@ def run_update(
         stats = policy.update(with_old, rows_per_mini_batch=batch.size // 2)
         if hf_dir is not None:
             policy.save_hf(hf_dir, model_dir)
-        return Update(initial, with_old.old_logprobs, stats, policy.state_dict(), seen)
+        final = policy.state_dict()
+        after = after_update(policy) if after_update is not None else None
+        return Update(initial, with_old.old_logprobs, stats, final, seen, after)
     finally:
         policy.close()
 
@@ -111,14 +115,20 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def updates(ray_local, model_dir, batch, hf_dir, tmp_path_factory) -> dict[str, Update]:
     """Every case's update. ZeRO-2 and ZeRO-3 over two processes (CASES[1], CASES[2]) are first looked at by the
-    host-copy and the gather tests (their `before_update`)."""
+    host-copy and the gather tests (their `before_update`); the reference goes on to the clipping test's two updates
+    (its `after_update`)."""
     observe = {
         "zero2-x2": lambda policy: host_copies(policy, model_dir, tmp_path_factory.mktemp("host_copies")),
         "zero3-x2": gathers_and_broadcast,
     }
     return {
         case_id(case): run_update(
-            model_dir, batch, case, hf_dir if case == CASES[0] else None, observe.get(case_id(case))
+            model_dir,
+            batch,
+            case,
+            hf_dir if case == CASES[0] else None,
+            observe.get(case_id(case)),
+            (lambda policy: clipped_updates(policy, batch)) if case == CASES[0] else None,
         )
         for case in CASES
     }
@@ -131,8 +141,8 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], reference:
 
 @pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
-    ref_initial, ref_old, ref_stats, ref_final, _ = updates[case_id(CASES[0])]
-    initial, old, stats, final, _ = updates[case_id(case)]
+    ref_initial, ref_old, ref_stats, ref_final, *_ = updates[case_id(CASES[0])]
+    initial, old, stats, final, *_ = updates[case_id(case)]
     assert all(torch.equal(initial[k], ref_initial[k]) for k in ref_initial)
     torch.testing.assert_close(old, ref_old, rtol=1e-5, atol=1e-5)
     ref_delta = {k: ref_final[k] - ref_initial[k] for k in ref_final}
@@ -146,7 +156,7 @@ def test_update_does_not_depend_on_zero_stage_or_processes(updates, case):
 
 
 def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(updates):
-    initial, _, stats, final, _ = updates[case_id(CASES[0])]
+    initial, _, stats, final, *_ = updates[case_id(CASES[0])]
     moved = {k for k in final if not torch.equal(final[k], initial[k])}
     assert moved == set(final)
     # No warm-up: the first of the two Adam steps already uses the full lr (~lr per weight per step).
@@ -155,27 +165,37 @@ def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(up
     assert stats["lr"] == pytest.approx(LR)
 
 
-def test_the_update_clips_with_dapos_asymmetric_bounds(ray_local, model_dir, batch):
-    """clip_low 0.2 / clip_high 0.28 reach the update's loss the right way round: the ratio is clipped to
-    [0.8, 1.28]. Old logprobs are set so that, on the update's one mini-batch (before its optimizer step), the ratio
-    is 1.25 on the tokens of rows with A > 0 (inside 1 + 0.28: nothing clipped; swapped, 1 + 0.2 would clip them
-    all), then, on fresh logprobs, 0.75 on the tokens of rows with A < 0 (outside 1 - 0.2: every one clipped;
-    swapped, 1 - 0.28 would clip none). Every other token has ratio 1."""
-    policy = start_policy(model_dir, algorithm={"clip_low": 0.2, "clip_high": 0.28})
+def clipped_updates(policy, batch: ExperienceBatch) -> tuple[dict[str, float], dict[str, float]]:
+    """Two one-mini-batch updates whose old logprobs put the ratio at 1.25 on the tokens of rows with A > 0, then
+    (on fresh logprobs) at 0.75 on those of rows with A < 0; every other token at 1."""
+    mask = batch.loss_mask.bool()
+    positive, negative = (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
+    current = policy.logprobs(batch)
+    old = torch.where(positive, current - math.log(1.25), current)
+    higher = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
+    current = policy.logprobs(batch)  # the first update moved the weights
+    old = torch.where(negative, current - math.log(0.75), current)
+    lower = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
+    return higher, lower
+
+
+def test_the_update_clips_with_dapos_asymmetric_bounds(updates, batch):
+    """The default clip_low 0.2 / clip_high 0.28 (DAPO's) reach the update's loss the right way round: the ratio is
+    clipped to [0.8, 1.28]. On the reference policy after its update (`clipped_updates`): on the first update's one
+    mini-batch (before its optimizer step) the ratio is 1.25 on the tokens of rows with A > 0 (inside 1 + 0.28:
+    nothing clipped; swapped, 1 + 0.2 would clip them all), then 0.75 on the tokens of rows with A < 0 (outside
+    1 - 0.2: every one clipped; swapped, 1 - 0.28 would clip none)."""
+    from rlep.services.learner.config import AlgorithmConfig
+
+    assert (AlgorithmConfig().clip_low, AlgorithmConfig().clip_high) == (0.2, 0.28)
+    reference = updates[case_id(CASES[0])]
+    higher, lower = reference.after
     mask = batch.loss_mask.bool()
     positive, negative = (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
     assert positive.any() and negative.any()
-    try:
-        current = policy.logprobs(batch)
-        old = torch.where(positive, current - math.log(1.25), current)
-        higher = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
-        current = policy.logprobs(batch)  # the first update moved the weights
-        old = torch.where(negative, current - math.log(0.75), current)
-        lower = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
-    finally:
-        policy.close()
     tokens = float(mask.sum())
-    assert higher["optimizer_steps"] == 1.0 and lower["optimizer_steps"] == 2.0  # one mini-batch each
+    steps = reference.stats["optimizer_steps"]
+    assert (higher["optimizer_steps"], lower["optimizer_steps"]) == (steps + 1, steps + 2)  # one mini-batch each
     # The old logprobs reached the loss: approx_kl is the mean of -log ratio over the response tokens.
     assert higher["approx_kl"] == pytest.approx(-math.log(1.25) * float(positive.sum()) / tokens, abs=1e-5)
     assert lower["approx_kl"] == pytest.approx(-math.log(0.75) * float(negative.sum()) / tokens, abs=1e-5)
