@@ -49,7 +49,7 @@ from rlep.common.types import Group, Trajectory, Verdict
 from rlep.services.learner import generation_log
 from rlep.services.learner.algorithm import KlEstimator, flatten_groups, kl_estimate
 from rlep.services.learner.batch import ExperienceBatch, build_batch, with_kl_reward_penalty
-from rlep.services.learner.checkpoint_info import write_checkpoint_info
+from rlep.services.learner.checkpoint_info import latest_checkpoint, shape_problem, write_checkpoint_info
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor, Question
 from rlep.services.learner.metrics import LearnerMetrics
@@ -136,6 +136,10 @@ class Trainer:
         if resume:
             if ckpt is None or not (ckpt / "latest").exists():
                 raise FileNotFoundError(f"--resume: no checkpoint under {ckpt}")
+            # `rlep train` checks this before anything starts; a resume through the Python API reaches it here, before
+            # DeepSpeed reads the files (under ZeRO-3 it fails on another shape's with a bare AssertionError).
+            if (latest := latest_checkpoint(ckpt)) is not None and (problem := shape_problem(latest, self.config)):
+                raise ValueError(problem)
             state = self.policy.load_checkpoint(ckpt)
             self.step = int(state["step"])
             self.cursor.restore(state["cursor"])

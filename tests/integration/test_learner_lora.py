@@ -175,7 +175,7 @@ def test_an_adapter_checkpoint_resumes_exactly_and_a_full_one_is_refused(
     """The resumed policy lands where the uninterrupted run did. Under ZeRO-2 it first refuses a full fine-tuning
     checkpoint (the adapter's load names what is missing), and that refusal touches nothing. (Under ZeRO-3 over two
     processes DeepSpeed fails earlier on that one-process checkpoint's files, with an assertion of its own; `rlep
-    train --resume` refuses either before anything starts, from the checkpoint's info.)"""
+    train --resume` and the trainer's resume refuse either first, from the checkpoint's info.)"""
     run = adapter_runs[case]
     for states in (run.checkpoints / "step_2").glob("*mp_rank_00_model_states.pt"):  # one per process (ZeRO-3)
         saved = torch.load(states, weights_only=False)["module"]

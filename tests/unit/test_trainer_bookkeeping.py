@@ -227,6 +227,26 @@ def test_policy_versions_keep_growing_across_a_resume(tokenizer, tmp_path):
     assert other.history_run != first.history_run
 
 
+def test_a_resume_with_another_lora_shape_is_refused_before_the_policy_loads(tokenizer, tmp_path):
+    """The checkpoint's info says full fine-tuning; a LoRA run resuming it (through the Python API, where `rlep
+    train`'s own check is not in the way) is refused naming both shapes, and the policy never reads the files."""
+    policy = MemoryPolicy()
+    first = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=2, every_steps=2)
+    first.start()
+    for _ in range(2):
+        first.train_step()
+    first.close()
+    loads = []
+    policy.load_checkpoint = lambda *args, **kwargs: loads.append(args)  # counts any read of the files
+    lora = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=4, every_steps=2)
+    lora.config = lora.config.model_copy(update={"lora": lora.config.lora.model_copy(update={"rank": 4})})
+    with pytest.raises(
+        ValueError, match=r"was trained with full fine-tuning \(lora.rank=0\), this config asks for LoRA"
+    ):
+        lora.start(resume=True)
+    assert loads == []
+
+
 class CountingRollout(ScriptedRollout):
     """`ScriptedRollout` that counts its generations (each follows one gather's draw from the data cursor)."""
 
