@@ -296,8 +296,9 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
     seed_pool(loop_stack, config["replay_pool"], rows)
     pool_before = services.replay.stats(config["replay_pool"]).trajectories
-    command = [*rlep_command(), "train", "--config", str(tmp_path / "train.yaml")]
-    command += ["--ray-address", ray_local.get_runtime_context().gcs_address]
+    args = ["train", "--config", str(tmp_path / "train.yaml")]
+    args += ["--ray-address", ray_local.get_runtime_context().gcs_address]
+    command = [*rlep_command(), *args]
     log_path = tmp_path / "ckpt" / "log.jsonl"
 
     # The same command, run through a wrapper that SIGKILLs it right after the step-2 checkpoint.
@@ -336,9 +337,9 @@ def test_killed_learner_resumes_without_skipping_or_repeating(loop_stack, tmp_pa
 
     from rlep.services.cli.app import app
 
-    again = CliRunner().invoke(app, [*command[len(rlep_command()) :], "--resume"])
+    again = CliRunner().invoke(app, [*args, "--resume"])
     assert again.exit_code == 0 and "at step 4 and this run trains 4 steps: nothing to do" in again.stdout
-    refused = CliRunner().invoke(app, [*command[len(rlep_command()) :], "--resume", "--set", "lora.rank=4"])
+    refused = CliRunner().invoke(app, [*args, "--resume", "--set", "lora.rank=4"])
     assert refused.exit_code == 2 and "was trained with full fine-tuning" in refused.stderr, refused.output[-2000:]
     assert [r.step for r in _log_steps(log_path)] == [1, 2, 3, 4]
 

@@ -165,11 +165,15 @@ def test_the_update_moves_every_trained_tensor_with_the_full_lr_from_step_one(up
     assert stats["lr"] == pytest.approx(LR)
 
 
-def clipped_updates(policy, batch: ExperienceBatch) -> tuple[dict[str, float], dict[str, float]]:
-    """Two one-mini-batch updates whose old logprobs put the ratio at 1.25 on the tokens of rows with A > 0, then
-    (on fresh logprobs) at 0.75 on those of rows with A < 0; every other token at 1."""
+def signed_tokens(batch: ExperienceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(response tokens, those of rows with A > 0, those of rows with A < 0) as boolean masks."""
     mask = batch.loss_mask.bool()
-    positive, negative = (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
+    return mask, (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
+
+
+def clipped_updates(policy, batch: ExperienceBatch) -> tuple[dict[str, float], dict[str, float]]:
+    """The clipping test's two one-mini-batch updates (its docstring says why these ratios)."""
+    _, positive, negative = signed_tokens(batch)
     current = policy.logprobs(batch)
     old = torch.where(positive, current - math.log(1.25), current)
     higher = policy.update(batch.with_old_logprobs(old), rows_per_mini_batch=batch.size)
@@ -190,8 +194,7 @@ def test_the_update_clips_with_dapos_asymmetric_bounds(updates, batch):
     assert (AlgorithmConfig().clip_low, AlgorithmConfig().clip_high) == (0.2, 0.28)
     reference = updates[case_id(CASES[0])]
     higher, lower = reference.after
-    mask = batch.loss_mask.bool()
-    positive, negative = (batch.advantages > 0)[:, None] & mask, (batch.advantages < 0)[:, None] & mask
+    mask, positive, negative = signed_tokens(batch)
     assert positive.any() and negative.any()
     tokens = float(mask.sum())
     steps = reference.stats["optimizer_steps"]

@@ -141,7 +141,9 @@ def tokenizer():
     return PolicyTokenizer.load(model, max_prompt_tokens=64, max_response_tokens=16)
 
 
-def make_trainer(tokenizer, policy, rollout, tmp_path: Path, steps: int, algorithm=None, **checkpoint) -> Trainer:
+def make_trainer(
+    tokenizer, policy, rollout, tmp_path: Path, steps: int, algorithm=None, lora=None, **checkpoint
+) -> Trainer:
     config = TrainConfig.model_validate(
         {
             "run_id": "bookkeeping",
@@ -158,6 +160,7 @@ def make_trainer(tokenizer, policy, rollout, tmp_path: Path, steps: int, algorit
                 **(algorithm or {}),
             },
             "checkpoint": {"dir": str(tmp_path / "ckpt"), **checkpoint},
+            "lora": lora or {},
         }
     )
     services = ServiceClients(rollout=rollout, verifier=ScriptedVerifier(), replay=EmptyReplay())
@@ -238,8 +241,7 @@ def test_a_resume_with_another_lora_shape_is_refused_before_the_policy_loads(tok
     first.close()
     loads = []
     policy.load_checkpoint = lambda *args, **kwargs: loads.append(args)  # counts any read of the files
-    lora = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=4, every_steps=2)
-    lora.config = lora.config.model_copy(update={"lora": lora.config.lora.model_copy(update={"rank": 4})})
+    lora = make_trainer(tokenizer, policy, ScriptedRollout(), tmp_path, steps=4, lora={"rank": 4}, every_steps=2)
     with pytest.raises(
         ValueError, match=r"was trained with full fine-tuning \(lora.rank=0\), this config asks for LoRA"
     ):
