@@ -15,7 +15,9 @@ from rlep.services.learner.config import TrainConfig
 # Every ablation cell: RLEP with these TrainConfig.algorithm values (and a pool) for `ablation_seeds` seeds.
 # `pool`: "phase1" (the protocol's), "phase1-distinct" (collected with >= 2 distinct), "phase1-half" (collected
 # from the first baseline's checkpoint at half its steps), "copy" (a per-run
-# copy of phase1, since online replay writes to it), "empty" (a per-run empty pool).
+# copy of phase1, since online replay writes to it), "fresh-copy" (a per-run copy of phase1's successes without the
+# question histories that earlier runs reported into it: a rule that reads history starts from none), "empty" (a
+# per-run empty pool).
 # In the order they run: the ones that decide a user's defaults (M, online replay) first.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "M=1": {"algorithm": {"replayed_per_question": 1}},
@@ -27,6 +29,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "strategy=prioritized": {"algorithm": {"replay_strategy": "prioritized"}},
     "collect rule >= 2 distinct": {"pool": "phase1-distinct"},
     "pool from the half-trained policy": {"pool": "phase1-half"},
+    # Issue 48: whether a group gets replay at all (services/learner/replay_rules.py; `band` at its defaults, pass
+    # rates in [0, 0.5]: the questions the policy still fails more often than not), each on its own pool copy
+    # (the history it reports and `band` reads is per pool: runs sharing one would read each other's).
+    "rule=rescue": {"algorithm": {"replay_rule": {"when": "rescue"}}, "pool": "fresh-copy"},
+    "rule=band": {"algorithm": {"replay_rule": {"when": "band"}}, "pool": "fresh-copy"},
 }
 # The cells issue 29 asks for (>= 3 seeds each): how many replayed rows, how strong the pool's policy, which draw.
 ISSUE_CELLS = ["M=1", "M=4", "pool from the half-trained policy", "strategy=diverse"]

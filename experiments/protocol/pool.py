@@ -91,9 +91,12 @@ def pool_figures(replay, pool: str, questions) -> dict:
     return asdict(pool_diversity(texts, list(numbers), path_of))
 
 
-def copy_pool(replay, source: str, target: str) -> None:
-    """Copies every question and success of `source` into `target` (online replay writes to its pool)."""
+def copy_pool(replay, source: str, target: str, histories: bool = True) -> None:
+    """Copies every question and success of `source` into `target` (online replay writes to its pool), and the
+    question histories runs reported into `source` unless `histories` is False."""
     chunks = list(replay.export(source))
     for chunk in chunks:
         chunk.pool = target
+        if not histories:
+            del chunk.histories[:]
     replay.import_chunks(chunks)

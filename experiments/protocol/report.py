@@ -140,7 +140,12 @@ def ablation_cells(raw: dict, seeds: list[int]) -> dict[str, dict]:
             cells[name] = {"not_run": why, "seeds_finished": len(cell["runs"])}
             continue
         figures = [run_figures(raw["baseline"][s], run) for s, run in cell["runs"].items()]
-        cells[name] = {"seeds": len(figures), "replayed_rows_per_step": replayed_rows(cell["runs"]), **paired(figures)}
+        cells[name] = {
+            "seeds": len(figures),
+            "replayed_rows_per_step": replayed_rows(cell["runs"]),
+            "step_seconds": statistics.mean(x for run in cell["runs"].values() for x in run["step_seconds"]),
+            **paired(figures),
+        }
     return cells
 
 
@@ -370,13 +375,13 @@ def print_ablations(cells: dict, console: Console) -> None:
         title="ablations (exploratory): variant - baseline (same seeds), mean t\\[95% CI] boot(bootstrap 95%); "
         "peak and steps secondary, noise-sensitive"
     )
-    columns = ("cell", "seeds", "replayed rows / step", "peak", "final", "mean acc", "reached B peak")
+    columns = ("cell", "seeds", "replayed rows / step", "step s", "peak", "final", "mean acc", "reached B peak")
     for column in (*columns, "ratio (reaching)", "median ratio"):
         table.add_column(column, justify="right")
     for name, cell in cells.items():
         if "not_run" in cell:
             why = "not reported: " + cell["not_run"][:60] + "…"
-            table.add_row(name, str(cell.get("seeds_finished", 0)), "", why, "", "", "", "", "")
+            table.add_row(name, str(cell.get("seeds_finished", 0)), "", "", why, "", "", "", "", "")
             continue
         reach = cell["seeds where RLEP reached the baseline's peak"]
         ratio = cell["RLEP steps / baseline steps to its peak"]
@@ -384,6 +389,7 @@ def print_ablations(cells: dict, console: Console) -> None:
             name,
             str(cell["seeds"]),
             f"{cell['replayed_rows_per_step']:.1f}",
+            f"{cell['step_seconds']:.2f}",
             _ci(cell["peak accuracy"]),
             _ci(cell["final accuracy"]),
             _ci(cell["mean accuracy (AUC / steps)"]),

@@ -130,13 +130,13 @@ def run_ablations(cfg: ProtocolConfig, stack, config, arm, out: dict, checkpoint
             elif spec.get("pool") == "phase1-half":
                 pool, half = "protocol-phase1-half", half_checkpoint(cfg, out["baseline"][cfg.seeds[0]]["steps"])
                 out.setdefault("pool_half", collect_pool(cfg, stack, half, pool, cfg.collect_rule, base))
-            elif spec.get("pool") in ("copy", "empty"):
+            elif spec.get("pool") in ("copy", "fresh-copy", "empty"):
                 pool = f"protocol-{run_id}"
                 if not (cfg.work_dir / run_id / "result.json").exists():  # a fresh pool per run
                     if pool in replay.list_pools():
                         replay.drop(pool, confirm=pool)
-                    if spec["pool"] == "copy":
-                        copy_pool(replay, "protocol-phase1", pool)
+                    if spec["pool"] != "empty":
+                        copy_pool(replay, "protocol-phase1", pool, histories=spec["pool"] == "copy")
             extra = {k: v for k, v in spec.items() if k != "pool"}
             run = config(run_id, seed, out["baseline"][seed]["steps"], pool, extra)
             runs[seed] = arm(run, seed)

@@ -70,3 +70,51 @@ def test_train_run_refuses_an_arm_on_another_cpu_before_starting_anything(tmp_pa
     baseline = result(600, machine=NO_SUCH_CPU)
     with pytest.raises(SystemExit, match="must run on the same CPU"):
         train_run(protocol_run(tmp_path, 600), stack=None, stop_at_plateau=None, pair_with=baseline)
+
+
+@pytest.mark.parametrize(("cell", "when"), [("rule=rescue", "rescue"), ("rule=band", "band")])
+def test_a_replay_rule_cell_trains_rlep_with_its_rule_on_a_pool_of_its_own(tmp_path, cell, when):
+    """Issue 48's cells: the rule reaches the run's TrainConfig, and each run gets a copy of the phase-1 pool without
+    the histories earlier runs reported into it (`band` reads the pool's history: shared, runs would read each
+    other's)."""
+    from rlep.experiments.protocol.config import ABLATIONS
+
+    spec = ABLATIONS[cell]
+    assert spec["pool"] == "fresh-copy"
+    extra = {k: v for k, v in spec.items() if k != "pool"}
+    run = run_config(ProtocolConfig(work_dir=tmp_path, archive=None), f"abl-{when}-s0", 0, 200, tmp_path, "p", extra)
+    assert run.algorithm.replay_rule.when == when
+    assert run.algorithm.replayed_per_question == 2 and run.algorithm.replay_rule.report_outcomes
+
+
+def test_a_fresh_pool_copy_keeps_every_success_and_drops_the_histories():
+    from rlep.common.v1 import trajectory_pb2
+    from rlep.experiments.protocol.pool import copy_pool
+    from rlep.replay.v1 import replay_pb2
+
+    class Replay:  # the two calls copy_pool makes, over real chunks
+        def __init__(self, chunks):
+            self.chunks, self.imported = chunks, []
+
+        def export(self, pool):
+            return [c for c in self.chunks if c.pool == pool]
+
+        def import_chunks(self, chunks):
+            self.imported.extend(chunks)
+
+    def chunk() -> replay_pb2.PoolChunk:
+        return replay_pb2.PoolChunk(
+            pool="phase1",
+            questions=[replay_pb2.Question(question_id="q1")],
+            trajectories=[trajectory_pb2.Trajectory(question_id="q1", response_text="2")],
+            histories=[replay_pb2.QuestionHistory(question_id="q1", visits=3, window_attempts=[8, 8])],
+        )
+
+    fresh = Replay([chunk()])
+    copy_pool(fresh, "phase1", "run-pool", histories=False)
+    [copied] = fresh.imported
+    assert copied.pool == "run-pool" and not copied.histories
+    assert [t.question_id for t in copied.trajectories] == ["q1"] and len(copied.questions) == 1
+    whole = Replay([chunk()])
+    copy_pool(whole, "phase1", "run-pool")  # online replay's copy keeps them
+    assert [h.visits for h in whole.imported[0].histories] == [3]
