@@ -65,6 +65,10 @@ class Trajectory:
     response_mask: tuple[int, ...] = ()
     """Per response token of a tool episode: 1 where the policy sampled it, 0 where a tool wrote it (never trained
     on, never in an importance ratio); empty = every response token was sampled (a single-turn answer)."""
+    excluded_from_loss: bool = False
+    """A tool episode left out of the update (a void turn under `tools.void_turns: filter`, SimpleTIR's rule): its
+    reward still counts in its group's advantages, but none of its tokens enters the loss, the token-mean
+    normaliser or an importance ratio."""
 
     def __post_init__(self) -> None:
         if not self.question_id:
@@ -77,6 +81,8 @@ class Trajectory:
                 )
             if not set(self.response_mask) <= {0, 1} or 1 not in self.response_mask:
                 raise ValueError("response_mask holds 0 (tool) and 1 (policy) only, with at least one policy token")
+        if self.excluded_from_loss and not self.response_mask:
+            raise ValueError("excluded_from_loss is for tool episodes (response_mask set)")
         if self.behavior_logprobs and len(self.behavior_logprobs) != len(self.response_token_ids):
             raise ValueError(
                 f"behavior_logprobs ({len(self.behavior_logprobs)}) and response_token_ids "

@@ -131,7 +131,8 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
     `NonFiniteError` names the trajectory whose reward (or advantage) is NaN or infinite. With
     `with_behavior`, the batch also carries the sampler's logprobs in the `loss_mask` layout (NaN where a
     row has none: replayed rows, which were sampled by another policy for another prompt rendering). A tool
-    episode's tool tokens (`Trajectory.response_mask` 0) get loss mask 0 and no sampler logprob.
+    episode's tool tokens (`Trajectory.response_mask` 0) get loss mask 0 and no sampler logprob, and so does every
+    token of an episode `excluded_from_loss` (its reward still counts in its group's advantages).
     """
     trajectories, rewards, group_ids = flatten_groups(groups)
     if not trajectories:
@@ -151,12 +152,13 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
             raise ValueError(f"trajectory {t.id[:12]} of question {t.question_id} lacks prompt or response tokens")
         rows.append((list(t.prompt_token_ids), list(t.response_token_ids)))
     tokens, attention, loss_mask = layout_rows(rows, pad_id)
-    tool_tokens = torch.zeros_like(loss_mask, dtype=torch.bool)  # a tool episode's tool outputs (response_mask 0)
+    untrained = torch.zeros_like(loss_mask, dtype=torch.bool)  # a tool episode's tool outputs (response_mask 0)
     for i, t in enumerate(trajectories):
         if t.response_mask:
             start = len(t.prompt_token_ids) - 1
-            tool_tokens[i, start : start + len(t.response_mask)] = torch.tensor(t.response_mask) == 0
-    loss_mask[tool_tokens] = 0.0
+            mask = torch.tensor(t.response_mask)
+            untrained[i, start : start + len(mask)] = True if t.excluded_from_loss else mask == 0
+    loss_mask[untrained] = 0.0
     behavior = None
     if with_behavior:
         behavior = torch.full(loss_mask.shape, float("nan"))
@@ -164,7 +166,7 @@ def build_batch(groups: Sequence[Group], pad_id: int, with_behavior: bool = Fals
             if t.behavior_logprobs and t.source != Source.REPLAY:
                 start = len(t.prompt_token_ids) - 1
                 behavior[i, start : start + len(t.behavior_logprobs)] = torch.tensor(t.behavior_logprobs)
-        behavior[tool_tokens] = float("nan")  # no sampler wrote them: outside every importance ratio
+        behavior[untrained] = float("nan")  # no sampler wrote them, or left out: outside every importance ratio
     return ExperienceBatch(
         tokens=tokens,
         attention_mask=attention,

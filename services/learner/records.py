@@ -99,6 +99,10 @@ class StepRecord:
     """The share of those episodes' response tokens the tool wrote (loss mask 0)."""
     tool_finishes: dict[str, int] | None = None
     """How those episodes ended: `answer`, `length`, `call_limit`, `void` (a call closed, never opened)."""
+    tool_void_episodes: int | None = None
+    """Those ending in a void turn (a `void` finish, or an `answer` with no answer the verifier could read)."""
+    tool_void_turns: str | None = None
+    """What the step did with them (`tools.void_turns`): `filter` (out of the loss), `penalize` or `keep`."""
     rollout_mismatch_kl: float | None = None
     """Train/inference mismatch on the fresh tokens (mismatch.py): mean k3 KL(rollout || learner) of the raw
     policies; the `rollout_mismatch_*` fields are None in logs written before them."""
@@ -156,6 +160,8 @@ ABSENT_WHEN_NONE = (
     "tool_calls_mean",
     "tool_token_fraction",
     "tool_finishes",
+    "tool_void_episodes",
+    "tool_void_turns",
     "eval_accuracy",
     "eval_correct",
 )

@@ -36,7 +36,7 @@ from rlep.services.learner.scored_trajectories import (
     shaped_reward,
 )
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
-from rlep.services.learner.tool_rollouts import RunCode, ToolFigures, run_episodes
+from rlep.services.learner.tool_rollouts import RunCode, ToolFigures, is_void, run_episodes
 from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -226,16 +226,21 @@ class StepInputs:
             outcomes = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
             now_ms = int(time.time() * 1000)
             fresh = []
+            figures.void_turns = tools.void_turns
             for question, group, group_texts, verdicts in zip(questions, episodes, texts, outcomes, strict=True):
                 figures.add(group)
-                fresh.append([
-                    episode.to_trajectory(
-                        question.question_id, text, shaped_reward(o.reward, len(episode.response_token_ids), algo),
-                        verdict=o.verdict, run_id=self.config.run_id, created_at_ms=now_ms,
-                        tokenizer_fingerprint=self.tokenizer.fingerprint,
-                    )
-                    for episode, text, o in zip(group, group_texts, verdicts, strict=True)
-                ])  # fmt: skip
+                trajectories = []
+                for episode, text, o in zip(group, group_texts, verdicts, strict=True):
+                    reward, void = shaped_reward(o.reward, len(episode.response_token_ids), algo), False
+                    if is_void(episode, o.verdict):
+                        figures.void_episodes += 1
+                        void = tools.void_turns == "filter"
+                        reward -= tools.void_penalty if tools.void_turns == "penalize" else 0.0
+                    trajectories.append(episode.to_trajectory(
+                        question.question_id, text, reward, verdict=o.verdict, run_id=self.config.run_id,
+                        created_at_ms=now_ms, tokenizer_fingerprint=self.tokenizer.fingerprint, excluded_from_loss=void,
+                    ))  # fmt: skip
+                fresh.append(trajectories)
         return fresh, figures
 
     def _replay_count(self) -> int:

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field
 
 from rlep.common.config import StrictModel
-from rlep.common.types import FinishReason, Trajectory
+from rlep.common.types import FinishReason, Trajectory, Verdict
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
 from rlep.services.sandbox.config import SandboxConfig
 from rlep.services.sandbox.types import ToolResult
@@ -63,6 +63,21 @@ class ToolUseConfig(StrictModel):
 
     loop: ToolLoopConfig = ToolLoopConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    void_turns: Literal["filter", "penalize", "keep"] = "filter"
+    """What an episode ending in a void turn (`is_void`) trains on. `filter` (SimpleTIR, arXiv 2509.02479, which
+    masks such trajectories out of the loss): its reward still counts in its group's advantages, none of its tokens
+    in the loss. `penalize`: trained, with its verified reward lowered by `void_penalty`. `keep`: trained as any
+    other episode. The step record counts them (`tool_void_episodes`) whatever the choice."""
+    void_penalty: float = Field(0.5, ge=0)
+    """`penalize`: subtracted from a void episode's verified reward (math's are 1 and -1)."""
+
+
+def is_void(episode: ToolEpisode, verdict: Verdict) -> bool:
+    """Whether an episode ends in a void turn, SimpleTIR's "neither a complete code block nor a final answer": it
+    closed a call it never opened (`void`), or ended a turn without a call and without an answer the verifier could
+    read (`answer` with verdict `unparseable`). An episode cut by its budget (`length`) is not void: DAPO's overlong
+    shaping is the rule for those."""
+    return episode.finish == "void" or (episode.finish == "answer" and verdict == Verdict.UNPARSEABLE)
 
 
 @dataclass
@@ -74,6 +89,10 @@ class ToolFigures:
     tool_tokens: int = 0
     response_tokens: int = 0
     finishes: Counter[str] = field(default_factory=Counter)
+    void_episodes: int = 0
+    """Episodes ending in a void turn (`is_void`), counted by the caller, who has their verdicts."""
+    void_turns: str = "keep"
+    """What was done with them (`ToolUseConfig.void_turns`)."""
 
     def add(self, episodes: Sequence[ToolEpisode]) -> None:
         for episode in episodes:
@@ -90,6 +109,8 @@ class ToolFigures:
         self.tool_tokens += other.tool_tokens
         self.response_tokens += other.response_tokens
         self.finishes.update(other.finishes)
+        self.void_episodes += other.void_episodes
+        self.void_turns = other.void_turns
 
     def record(self) -> dict[str, Any]:
         """The step record's `tool_*` fields."""
@@ -97,6 +118,8 @@ class ToolFigures:
             "tool_calls_mean": self.calls / max(1, self.episodes),
             "tool_token_fraction": self.tool_tokens / max(1, self.response_tokens),
             "tool_finishes": dict(sorted(self.finishes.items())),
+            "tool_void_episodes": self.void_episodes,
+            "tool_void_turns": self.void_turns,
         }
 
 
@@ -161,7 +184,8 @@ class ToolEpisode:
 
     def to_trajectory(self, question_id: str, response_text: str, reward: float, **fields: Any) -> Trajectory:
         """The episode as a trajectory to train on: its ids, the mask, the engine's logprobs (NaN on tool tokens),
-        and the oldest weights that sampled it (a push between turns: staleness counts from the first)."""
+        and the oldest weights that sampled it (a push between turns: staleness counts from the first). `fields`
+        go to the Trajectory (`excluded_from_loss` for a filtered void episode)."""
         return Trajectory(
             question_id=question_id,
             response_text=response_text,

@@ -13,7 +13,7 @@ import pytest
 
 from rlep.common.dataset import Question
 from rlep.common.tiny_model import ModelSpec, cached_model
-from rlep.common.types import FinishReason, Trajectory, Verdict
+from rlep.common.types import FinishReason, Group, Trajectory, Verdict
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor
 from rlep.services.learner.scored_trajectories import ReplayReport
@@ -203,7 +203,73 @@ def test_with_tools_a_step_trains_on_tool_episodes_masked_and_records_them(token
         "tool_calls_mean": 1.0,
         "tool_token_fraction": pytest.approx(len("<output>\n42\n\n</output>\n") / len(t.response_token_ids)),
         "tool_finishes": {"answer": 4},
+        "tool_void_episodes": 0,
+        "tool_void_turns": "filter",
     }
+
+
+class VoidRollout(ToolRollout):
+    """Episode 0 of each group answers after its call; episode 1 closes a call it never opened (`void`); episode 2
+    ends its turn after the output with no answer at all (`answer`, unparseable): SimpleTIR's two void turns."""
+
+    def generate(self, prompts, sampling):
+        if sampling.n == 1:  # a continuation after the tool's output
+            return super().generate(prompts, sampling)
+        texts = ["<code>print(6*7)</code>", "print(6*7)</code>", "I am not sure"]
+        out = []
+        for ids in prompts:
+            samples = []
+            for text in texts:
+                sample_ids = self.hf.encode(text, add_special_tokens=False)
+                samples.append(SampleOut(sample_ids, text, [-0.1] * len(sample_ids), FinishReason.STOP, 1))
+            out.append(Completion(list(ids), samples))
+        return out
+
+
+class ReadingVerifier:
+    """CORRECT with a boxed 42, UNPARSEABLE without any boxed answer, WRONG otherwise (math's verdicts)."""
+
+    def verify(self, items):
+        out = []
+        for text, _ in items:
+            outcome = Outcome("\\boxed{42}" in text)
+            if "\\boxed" not in text:
+                outcome.verdict = Verdict.UNPARSEABLE
+            out.append(outcome)
+        return out
+
+
+@pytest.mark.parametrize("void_turns", ["filter", "penalize", "keep"])
+def test_void_turns_are_counted_and_filtered_penalised_or_kept(tokenizer, void_turns):
+    from rlep.services.learner.batch import build_batch
+    from rlep.services.sandbox.types import ToolResult
+
+    config = TrainConfig.model_validate(
+        {"algorithm": {"questions_per_step": 2, "fresh_per_question": 3, "mini_batch_questions": 1,
+                       "max_response_tokens": 64, "overlong_buffer_tokens": 0, "replayed_per_question": 0},
+         "tools": {"loop": {"max_output_tokens": 64}, "void_turns": void_turns, "void_penalty": 0.5}}
+    )  # fmt: skip
+    run_code = lambda code, caller: ToolResult("ok", 0, None, "42\n", "", False, 0.01, "bubblewrap")  # noqa: E731
+    services = ServiceClients(VoidRollout(tokenizer), ReadingVerifier(), None, run_code=run_code)
+    step = StepInputs(config, questions(2), DataCursor(2, seed=0, shuffle=False), services, tokenizer)
+    gathered = step.gather(0, StepTimer())
+    record = gathered.tools.record()
+    assert record["tool_finishes"] == {"answer": 4, "void": 2}  # episode 2's unparseable end is an `answer` finish
+    assert record["tool_void_episodes"] == 4 and record["tool_void_turns"] == void_turns
+    for group in gathered.fresh:
+        answered, closed_unopened, no_answer = group
+        assert answered.verdict == Verdict.CORRECT and no_answer.verdict == Verdict.UNPARSEABLE
+        assert [t.excluded_from_loss for t in group] == [False, *[void_turns == "filter"] * 2]
+        penalty = 0.5 if void_turns == "penalize" else 0.0
+        assert [t.reward for t in group] == [1.0, -1.0 - penalty, -1.0 - penalty]
+    groups = [Group(q.question_id, q.ground_truth, g) for q, g in zip(gathered.questions, gathered.fresh, strict=True)]
+    batch = build_batch(groups, pad_id=0, with_behavior=True)
+    trained_rows = (batch.loss_mask.sum(dim=1) > 0).tolist()
+    assert trained_rows == [True, void_turns != "filter", void_turns != "filter"] * 2
+    # A filtered episode still counts in its group's advantages: the answered one's is that of 1 against two -1s.
+    assert batch.advantages[0].item() == pytest.approx(batch.advantages[3].item()) and batch.advantages[0] > 0
+    if void_turns == "filter":
+        assert batch.behavior_logprobs[~batch.loss_mask.bool()].isnan().all()  # no importance ratio either
 
 
 def test_tools_without_a_sandbox_are_refused(tokenizer):

@@ -256,6 +256,8 @@ def test_a_response_mask_must_fit_its_response():
         Trajectory("q", "a", 0.0, response_token_ids=(1, 2), response_mask=(0, 0))
     with pytest.raises(ValueError, match="0 \\(tool\\) and 1"):
         Trajectory("q", "a", 0.0, response_token_ids=(1, 2), response_mask=(1, 2))
+    with pytest.raises(ValueError, match="excluded_from_loss is for tool episodes"):
+        Trajectory("q", "a", 0.0, response_token_ids=(1, 2), excluded_from_loss=True)
 
 
 def test_the_replay_contract_refuses_a_tool_trace_it_cannot_carry():
