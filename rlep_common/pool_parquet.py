@@ -11,7 +11,8 @@ at training time. Exporting writes one row per
 question with all its stored successes as candidates, which the reference verl recipe reads as-is.
 
 Per-question history rides along (`pool_file_history`): an `rlep_history` column on the rows, and the history of
-questions with no success in the file's key-value metadata; files without them import as before.
+questions with no success in the file's key-value metadata; so do tool traces, whole (`pool_file_traces`: an
+`rlep_traces` column, never among the candidates); files without them import as before.
 
 Import checks a file once, through the handle it then reads (`check_pool_file`): column types, rows that reuse
 a kept question id with another prompt or answer (the whole file refused), over-size rows and candidates (left
@@ -44,6 +45,14 @@ from rlep.common.pool_file_history import (
     history_only_bytes,
     history_to_row,
     read_history_only,
+)
+from rlep.common.pool_file_traces import (
+    TRACES_KEY,
+    TRACES_SCHEMA,
+    TRACES_TYPE,
+    check_traces_schema,
+    row_traces,
+    traces_to_row,
 )
 from rlep.common.v1 import trajectory_pb2
 from rlep.replay.v1 import replay_pb2
@@ -86,6 +95,8 @@ class PoolFileCheck:
     skipped_candidates: int = 0
     """Candidates over `RowLimits.trajectory_bytes`, left out one by one."""
     path: Path = Path()
+    skipped_traces: int = 0
+    """Tool traces that cannot be stored (`pool_file_traces.row_traces`), left out one by one."""
     parquet: pq.ParquetFile | None = field(default=None, compare=False, repr=False)
     """The file as checked, still open: the import reads these bytes, not the path again (a file swapped
     between the check and the read would otherwise be imported unchecked)."""
@@ -149,7 +160,7 @@ def row_problem(row: Mapping[str, Any], limits: RowLimits = RowLimits()) -> str 
     reward_model = row.get("reward_model") or {}
     if not str(reward_model.get("ground_truth") or "").strip():
         return "no ground truth"
-    if not any(reward_model.get("candidates") or []):
+    if not any(reward_model.get("candidates") or []) and not row.get("rlep_traces"):
         return "no candidates"
     if not _question_fits(row, prompt, limits):
         return f"a question over {limits.question_bytes:,} bytes"
@@ -199,14 +210,17 @@ def check_pool_file(path: Path, limits: RowLimits = RowLimits()) -> PoolFileChec
                 f"{path}: `{column}` has {have}, not {', '.join(fields)}; {EXPECTED} (a training parquet has no "
                 "candidates; import it with `rlep train`, or collect a pool with `rlep collect`)"
             )
-    if problem := _type_problem(schema) or check_history_schema(parquet.metadata.metadata, schema):
+    metadata = parquet.metadata.metadata
+    if problem := (
+        _type_problem(schema) or check_history_schema(metadata, schema) or check_traces_schema(metadata, schema)
+    ):
         raise PoolFileError(f"{path}: {problem}; {EXPECTED}")
     try:
         history_only = read_history_only(parquet.metadata.metadata)
     except HistoryFileError as err:
         raise PoolFileError(f"{path}: {err}; nothing imported") from err
     refused: Counter = Counter()
-    skipped = 0
+    skipped = skipped_traces = 0
     conflicts = QuestionIdConflicts()
     index = 0
     for batch in parquet.iter_batches(batch_size=ROW_BATCH):
@@ -216,10 +230,11 @@ def check_pool_file(path: Path, limits: RowLimits = RowLimits()) -> PoolFileChec
             else:
                 conflicts.add(index, row, verl_prompt(row))
                 skipped += _row_candidates(row, limits)[1]
+                skipped_traces += row_traces(row, verl_question_id(row, verl_prompt(row)), _trace_bytes(limits))[1]
             index += 1
     if conflicts.count:
         raise PoolFileError(f"{path}: {conflicts.describe()}; nothing imported")
-    return PoolFileCheck(parquet.metadata.num_rows, refused, skipped, Path(path), parquet, history_only)
+    return PoolFileCheck(parquet.metadata.num_rows, refused, skipped, Path(path), skipped_traces, parquet, history_only)
 
 
 def read_pool_rows(
@@ -241,8 +256,26 @@ def read_pool_rows(
             if row_problem(row, limits):
                 continue
             question, in_chunk = row_question(row), False
-            for candidate, candidate_bytes in _row_candidates(row, limits)[0]:
-                cost = candidate_bytes + TRAJECTORY_OVERHEAD
+            successes = [
+                (
+                    trajectory_pb2.Trajectory(
+                        question_id=question.question_id,
+                        response_text=candidate,
+                        reward=1.0,
+                        verdict=trajectory_pb2.CORRECT,
+                        source=trajectory_pb2.REPLAY,
+                        policy_version=CANDIDATE_VERSION,
+                        run_id=run_id,
+                    ),
+                    candidate_bytes,
+                )  # fmt: skip
+                for candidate, candidate_bytes in _row_candidates(row, limits)[0]
+            ]
+            traces = row_traces(row, question.question_id, _trace_bytes(limits))[0]
+            for trace, _ in traces:  # another run's traces from here on: any age replays (TraceRules)
+                trace.source, trace.run_id = trajectory_pb2.REPLAY, run_id
+            for trajectory, trajectory_bytes in successes + traces:
+                cost = trajectory_bytes + TRAJECTORY_OVERHEAD
                 if chunk.trajectories and (len(chunk.trajectories) >= CHUNK_TRAJECTORIES or size + cost > CHUNK_BYTES):
                     yield chunk
                     chunk, size, in_chunk = replay_pb2.PoolChunk(pool=pool), 0, False
@@ -252,19 +285,16 @@ def read_pool_rows(
                     in_chunk = True
                     if row.get("rlep_history"):  # stored once per question whatever chunk repeats it
                         chunk.histories.append(history_from_row(question.question_id, row["rlep_history"]))
-                chunk.trajectories.add(
-                    question_id=question.question_id,
-                    response_text=candidate,
-                    reward=1.0,
-                    verdict=trajectory_pb2.CORRECT,
-                    source=trajectory_pb2.REPLAY,
-                    policy_version=CANDIDATE_VERSION,
-                    run_id=run_id,
-                )
+                chunk.trajectories.append(trajectory)
                 size += cost
     if chunk.trajectories:
         yield chunk
     yield from _history_only_chunks(pool, history_only)
+
+
+def _trace_bytes(limits: RowLimits) -> int:
+    # A trace is stored as it is in the file, its run id and source aside: keep the margin candidates keep.
+    return limits.trajectory_bytes - TRAJECTORY_OVERHEAD
 
 
 def _history_only_chunks(pool: str, history_only: list) -> Iterator[replay_pb2.PoolChunk]:
@@ -293,8 +323,9 @@ POOL_SCHEMA = pa.schema(
         ),
         ("extra_info", pa.struct([("index", pa.int64()), ("question_id", pa.string())])),
         ("rlep_history", HISTORY_TYPE),
+        ("rlep_traces", TRACES_TYPE),
     ],
-    metadata={SCHEMA_KEY: HISTORY_SCHEMA},
+    metadata={SCHEMA_KEY: HISTORY_SCHEMA, TRACES_KEY: TRACES_SCHEMA},
 )
 
 
@@ -330,11 +361,15 @@ def _write_rows(chunks: Iterable[replay_pb2.PoolChunk], file: BinaryIO) -> int:
     with pq.ParquetWriter(file, POOL_SCHEMA) as writer:
         for chunk in chunks:
             candidates: dict[str, list[str]] = {}
+            traces: dict[str, list[trajectory_pb2.Trajectory]] = {}
             for traj in chunk.trajectories:
-                candidates.setdefault(traj.question_id, []).append(traj.response_text)
+                if traj.response_mask:  # a tool trace: whole, in its own column, never a candidate
+                    traces.setdefault(traj.question_id, []).append(traj)
+                else:
+                    candidates.setdefault(traj.question_id, []).append(traj.response_text)
             histories = {h.question_id: h for h in chunk.histories}
-            # A question with history and no success has no row (a row needs candidates, and verl a prompt).
-            alone = {q for q in histories if q not in candidates}
+            # A question with history and no success has no row (a row needs successes, and verl a prompt).
+            alone = {q for q in histories if q not in candidates and q not in traces}
             metas = {q.question_id: q.SerializeToString() for q in chunk.questions if q.question_id in alone}
             history_only += [(q, metas.get(q), histories[q]) for q in histories if q in alone]
             rows = [
@@ -349,6 +384,7 @@ def _write_rows(chunks: Iterable[replay_pb2.PoolChunk], file: BinaryIO) -> int:
                     },
                     "extra_info": {"index": q.index, "question_id": q.question_id},
                     "rlep_history": history_to_row(histories[q.question_id]) if q.question_id in histories else None,
+                    "rlep_traces": traces_to_row(traces.get(q.question_id, [])),
                 }
                 for q in chunk.questions
                 if q.question_id not in alone

@@ -44,6 +44,21 @@ def trajectory_id(question_id: str, response_text: str) -> str:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool episode (issue 50), as the sandbox answered it."""
+
+    code: str
+    status: str
+    """The sandbox's `Status` ("ok", "error", "timeout", ...)."""
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    truncated: bool
+    """The sandbox cut the output, or the loop cut it to its token budget."""
+
+
+@dataclass(frozen=True)
 class Trajectory:
     """One sampled response. Token ids and `behavior_logprobs` share one length when both are set."""
 
@@ -65,6 +80,12 @@ class Trajectory:
     response_mask: tuple[int, ...] = ()
     """Per response token of a tool episode: 1 where the policy sampled it, 0 where a tool wrote it (never trained
     on, never in an importance ratio); empty = every response token was sampled (a single-turn answer)."""
+    chat_template_hash: str = ""
+    tool_env_hash: str = ""
+    """A tool trace's environment (`rlep.services.learner.tool_rollouts.trace_hashes`): the chat template that
+    rendered its prompt and the tool loop and sandbox that answered its calls; replay skips a trace whose hashes
+    differ from the learner's."""
+    tool_calls: tuple[ToolCall, ...] = ()
     excluded_from_loss: bool = False
     """A tool episode left out of the update (a void turn under `tools.void_turns: filter`, SimpleTIR's rule): its
     reward still counts in its group's advantages, but none of its tokens enters the loss, the token-mean

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlep.common.types import FinishReason, Source, Trajectory, Verdict
+from rlep.common.types import FinishReason, Source, ToolCall, Trajectory, Verdict
 from rlep.common.v1 import trajectory_pb2 as pb
 
 VERDICT_TO_PROTO: dict[Verdict, int] = {
@@ -25,13 +25,8 @@ FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.i
 
 
 def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
-    """Raises ValueError for a tool episode (`response_mask`): the contract cannot carry its mask yet, and a trace
-    sent without it would be trained on its tool outputs."""
-    if t.response_mask:
-        raise ValueError(
-            f"trajectory of question {t.question_id!r} is a tool episode (response_mask set): the v1 Trajectory "
-            "message does not carry tool traces yet (issue 50, replay of tool traces)"
-        )
+    """A tool episode travels whole: its mask, its calls and its environment's hashes (`excluded_from_loss` is the
+    learner's own, of one step: it does not travel)."""
     return pb.Trajectory(
         question_id=t.question_id,
         prompt_token_ids=t.prompt_token_ids,
@@ -47,7 +42,28 @@ def trajectory_to_proto(t: Trajectory) -> pb.Trajectory:
         prompt_text=t.prompt_text,
         created_at_ms=t.created_at_ms,
         tokenizer_fingerprint=t.tokenizer_fingerprint,
+        response_mask=t.response_mask,
+        chat_template_hash=t.chat_template_hash,
+        tool_env_hash=t.tool_env_hash,
+        tool_calls=[tool_call_to_proto(c) for c in t.tool_calls],
     )
+
+
+def tool_call_to_proto(c: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(
+        code=c.code,
+        status=c.status,
+        exit_code=c.exit_code,
+        stdout=c.stdout,
+        stderr=c.stderr,
+        duration_s=c.duration_s,
+        truncated=c.truncated,
+    )
+
+
+def tool_call_from_proto(m: pb.ToolCall) -> ToolCall:
+    exit_code = m.exit_code if m.HasField("exit_code") else None
+    return ToolCall(m.code, m.status, exit_code, m.stdout, m.stderr, m.duration_s, m.truncated)
 
 
 def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
@@ -67,4 +83,8 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
         run_id=m.run_id,
         created_at_ms=m.created_at_ms,
         tokenizer_fingerprint=m.tokenizer_fingerprint,
+        response_mask=tuple(m.response_mask),
+        chat_template_hash=m.chat_template_hash,
+        tool_env_hash=m.tool_env_hash,
+        tool_calls=tuple(tool_call_from_proto(c) for c in m.tool_calls),
     )

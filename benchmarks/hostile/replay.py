@@ -1,7 +1,8 @@
 """Replay under hostile callers: idle, unread and trickling streams (issue 31 item 1, issue 46 items 1-2), its
 embedded Redis killed (item 3), a pool name with a newline (7), NaN log-probabilities and one add of 20,000 rows (9),
 pool files of the wrong schema (10); issue 48's per-question history: a report of 10^6 questions, NaN rewards, a step
-reported twice, an unknown pool."""
+reported twice, an unknown pool; issue 50's tool traces: masks that do not fit, the largest trace, a pool file of bad
+traces."""
 
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ def replay_items(work: Path) -> dict:
         out["9 one add of 20,000 rows"] = big_add(stub, list_pools)
         out["10 wrong pool files"] = wrong_pool_files(replay, stub, work)
         out["48 hostile ReportOutcomes"] = hostile_reports(stub)
+        out["50 hostile tool traces"] = hostile_traces(replay, stub, list_pools, work)
     finally:
         channel.close()
         replay.stop()
@@ -199,6 +201,59 @@ def wrong_pool_files(replay: Service, stub, work: Path) -> dict:
         )
         pools = stub.ListPools(replay_pb2.ListPoolsRequest(), timeout=5).pools
         out[name] = {"exit": run.returncode, "pool_created": pool in pools, "says": run.stderr.strip()[-160:]}
+    return out
+
+
+def hostile_traces(replay: Service, stub, list_pools, work: Path) -> dict:
+    """Issue 50, part 3: traces whose mask does not fit, with a NaN logprob on a policy token, 65 calls; the largest
+    trace the pool takes (64 calls of 15 KiB output each) stored and sampled back while another caller lists pools;
+    a pool file whose `rlep_traces` hold garbage, another question's trace, an unmasked one and a 2 MB blob."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlep.common.pool_parquet import POOL_SCHEMA
+
+    call = {"code": "print(1)", "status": "ok", "exit_code": 0, "stdout": "1\n"}
+    trace = {"response_token_ids": [1, 2, 3], "response_mask": [1, 0, 1], "behavior_logprobs": [-0.1, math.nan, -0.2]}
+    bad = [
+        success("q", 1, **{**trace, "response_mask": [1, 0]}),
+        success("q", 2, **{**trace, "behavior_logprobs": [math.nan, math.nan, -0.2]}),
+        success("q", 3, **trace, tool_calls=[call] * 65),
+    ]
+    reply = stub.AddTrajectories(add_request("traces", bad), timeout=5)
+    out: dict = {"bad traces": {"added": reply.added, "rejected": [r.reason for r in reply.rejections]}}
+    biggest = success("big", 0, **trace, tool_calls=[{**call, "stdout": "x" * (15 << 10)}] * 64)
+    started = time.perf_counter()
+    added = stub.AddTrajectories(add_request("traces", [biggest]), timeout=30).added
+    drawn = stub.Sample(replay_pb2.SampleRequest(pool="traces", question_ids=["big"], m=1), timeout=30)
+    list_started = time.perf_counter()
+    list_pools()
+    out["64 calls x 15 KiB"] = {
+        "bytes": trajectory_pb2.Trajectory(**biggest).ByteSize(),
+        "added": added,
+        "calls_back": len(drawn.samples[0].trajectories[0].tool_calls) if drawn.samples else 0,
+        "seconds": round(time.perf_counter() - started, 3),
+        "list_pools_s": round(time.perf_counter() - list_started, 3),
+    }
+    good = trajectory_pb2.Trajectory(**success("q", 0, **trace)).SerializeToString()
+    other = trajectory_pb2.Trajectory(**success("another", 0, **trace)).SerializeToString()
+    unmasked = trajectory_pb2.Trajectory(**success("q", 4)).SerializeToString()
+    row = {
+        "prompt": [{"role": "user", "content": "q"}],
+        "reward_model": {"ground_truth": "0", "candidates": []},
+        "extra_info": {"index": 0, "question_id": "q"},
+        "rlep_traces": [good, b"\xff garbage", other, unmasked, b"x" * (2 << 20)],
+    }
+    path = work / "hostile-traces.parquet"
+    pq.write_table(pa.Table.from_pylist([row], schema=POOL_SCHEMA), path)
+    run = subprocess.run(
+        [RLEP, "pool", "import", str(path), "--pool", "traces-file", "--address", replay.address],
+        capture_output=True,
+        text=True,
+    )
+    stored = stub.GetPoolStats(replay_pb2.GetPoolStatsRequest(pool="traces-file"), timeout=5).trajectories
+    says = (run.stdout + run.stderr).strip()[-200:]
+    out["pool file with bad traces"] = {"exit": run.returncode, "stored": stored, "says": says}
     return out
 
 

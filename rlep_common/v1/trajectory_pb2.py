@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlep/common/v1/trajectory.proto\x12\x0erlep.common.v1\"\x93\x03\n\nTrajectory\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x03 \x03(\x05\x12\x15\n\rresponse_text\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12(\n\x07verdict\x18\x06 \x01(\x0e\x32\x17.rlep.common.v1.Verdict\x12&\n\x06source\x18\x07 \x01(\x0e\x32\x16.rlep.common.v1.Source\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x33\n\rfinish_reason\x18\t \x01(\x0e\x32\x1c.rlep.common.v1.FinishReason\x12\x19\n\x11\x62\x65havior_logprobs\x18\n \x03(\x02\x12\x0e\n\x06run_id\x18\x0b \x01(\t\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x15\n\rcreated_at_ms\x18\r \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x0e \x01(\t*y\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43ORRECT\x10\x01\x12\t\n\x05WRONG\x10\x02\x12\x0f\n\x0bUNPARSEABLE\x10\x03\x12\x0b\n\x07TIMEOUT\x10\x04\x12\x14\n\x10GOLD_UNPARSEABLE\x10\x05\x12\t\n\x05\x45RROR\x10\x06*7\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\t\n\x05\x46RESH\x10\x01\x12\n\n\x06REPLAY\x10\x02*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frlep/common/v1/trajectory.proto\x12\x0erlep.common.v1\"\x8b\x04\n\nTrajectory\x12\x13\n\x0bquestion_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x03 \x03(\x05\x12\x15\n\rresponse_text\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12(\n\x07verdict\x18\x06 \x01(\x0e\x32\x17.rlep.common.v1.Verdict\x12&\n\x06source\x18\x07 \x01(\x0e\x32\x16.rlep.common.v1.Source\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x33\n\rfinish_reason\x18\t \x01(\x0e\x32\x1c.rlep.common.v1.FinishReason\x12\x19\n\x11\x62\x65havior_logprobs\x18\n \x03(\x02\x12\x0e\n\x06run_id\x18\x0b \x01(\t\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x15\n\rcreated_at_ms\x18\r \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x0e \x01(\t\x12\x15\n\rresponse_mask\x18\x0f \x03(\x05\x12\x1a\n\x12\x63hat_template_hash\x18\x10 \x01(\t\x12\x15\n\rtool_env_hash\x18\x11 \x01(\t\x12,\n\ntool_calls\x18\x12 \x03(\x0b\x32\x18.rlep.common.v1.ToolCall\"\x95\x01\n\x08ToolCall\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x16\n\texit_code\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06stdout\x18\x04 \x01(\t\x12\x0e\n\x06stderr\x18\x05 \x01(\t\x12\x12\n\nduration_s\x18\x06 \x01(\x01\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x42\x0c\n\n_exit_code*y\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43ORRECT\x10\x01\x12\t\n\x05WRONG\x10\x02\x12\x0f\n\x0bUNPARSEABLE\x10\x03\x12\x0b\n\x07TIMEOUT\x10\x04\x12\x14\n\x10GOLD_UNPARSEABLE\x10\x05\x12\t\n\x05\x45RROR\x10\x06*7\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\t\n\x05\x46RESH\x10\x01\x12\n\n\x06REPLAY\x10\x02*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlep.common.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERDICT']._serialized_start=457
-  _globals['_VERDICT']._serialized_end=578
-  _globals['_SOURCE']._serialized_start=580
-  _globals['_SOURCE']._serialized_end=635
-  _globals['_FINISHREASON']._serialized_start=637
-  _globals['_FINISHREASON']._serialized_end=715
+  _globals['_VERDICT']._serialized_start=729
+  _globals['_VERDICT']._serialized_end=850
+  _globals['_SOURCE']._serialized_start=852
+  _globals['_SOURCE']._serialized_end=907
+  _globals['_FINISHREASON']._serialized_start=909
+  _globals['_FINISHREASON']._serialized_end=987
   _globals['_TRAJECTORY']._serialized_start=52
-  _globals['_TRAJECTORY']._serialized_end=455
+  _globals['_TRAJECTORY']._serialized_end=575
+  _globals['_TOOLCALL']._serialized_start=578
+  _globals['_TOOLCALL']._serialized_end=727
 # @@protoc_insertion_point(module_scope)

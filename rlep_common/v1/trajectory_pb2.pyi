@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -45,7 +45,7 @@ LENGTH: FinishReason
 ABORT: FinishReason
 
 class Trajectory(_message.Message):
-    __slots__ = ("question_id", "prompt_token_ids", "response_token_ids", "response_text", "reward", "verdict", "source", "policy_version", "finish_reason", "behavior_logprobs", "run_id", "prompt_text", "created_at_ms", "tokenizer_fingerprint")
+    __slots__ = ("question_id", "prompt_token_ids", "response_token_ids", "response_text", "reward", "verdict", "source", "policy_version", "finish_reason", "behavior_logprobs", "run_id", "prompt_text", "created_at_ms", "tokenizer_fingerprint", "response_mask", "chat_template_hash", "tool_env_hash", "tool_calls")
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,10 @@ class Trajectory(_message.Message):
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ENV_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     question_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     response_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,4 +78,26 @@ class Trajectory(_message.Message):
     prompt_text: str
     created_at_ms: int
     tokenizer_fingerprint: str
-    def __init__(self, question_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., reward: _Optional[float] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., source: _Optional[_Union[Source, str]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., run_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    response_mask: _containers.RepeatedScalarFieldContainer[int]
+    chat_template_hash: str
+    tool_env_hash: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, question_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., response_text: _Optional[str] = ..., reward: _Optional[float] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., source: _Optional[_Union[Source, str]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., run_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., response_mask: _Optional[_Iterable[int]] = ..., chat_template_hash: _Optional[str] = ..., tool_env_hash: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("code", "status", "exit_code", "stdout", "stderr", "duration_s", "truncated")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    status: str
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    truncated: bool
+    def __init__(self, code: _Optional[str] = ..., status: _Optional[str] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., duration_s: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...

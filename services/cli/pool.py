@@ -217,6 +217,10 @@ def import_pool(
         if check.skipped_candidates
         else ""
     )
+    if check.skipped_traces:
+        skipped += (
+            f"; {check.skipped_traces} tool traces left out (unreadable, another question's, unmasked or too big)"
+        )
     histories = (
         f"; histories imported {reply.histories_imported}, kept {reply.histories_kept}"
         if reply.histories_imported or reply.histories_kept

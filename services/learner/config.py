@@ -478,17 +478,6 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _tools_fit(self) -> TrainConfig:
-        if self.tools is None:
-            return self
-        if self.algorithm.replayed_per_question or self.algorithm.online_replay:
-            raise ValueError(
-                "tools: replay of tool traces is not built yet (issue 50): the replay service would store them without "
-                "their tool mask; set algorithm.replayed_per_question: 0 and online_replay: false"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _mini_batches_fit(self) -> TrainConfig:
         if self.algorithm.mini_batch_questions > self.algorithm.questions_per_step:
             raise ValueError("algorithm.mini_batch_questions cannot exceed algorithm.questions_per_step")

@@ -82,6 +82,8 @@ class StepRecord:
     """Groups the rule kept replay out of, by reason (`fresh_succeeded`, `out_of_band`, `retired`)."""
     replay_rescued_groups: int = 0
     """Groups with no fresh success that got a replayed row."""
+    replay_traces: int = 0
+    """Replayed tool traces trained on as stored (issue 50), among `replay_used`."""
     history_status: str | None = None
     """The step's report to the replay service's per-question history (`ReplayReport.history_status`); absent when
     nothing was reported."""

@@ -15,6 +15,7 @@ manager does for the whole batch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -112,6 +113,8 @@ class ReplayReport:
     retokenized: int = 0
     """Answers whose ids were missing or came from another tokenizer, re-tokenised with the policy's."""
     truncated: int = 0
+    traces: int = 0
+    """Tool traces (issue 50) among the rows prepared for the batch, kept as stored."""
     failed_verification: int = 0
     """Used, but this run's verifier did not find them correct (trained with the reward it gave)."""
     dropped: Counter = field(default_factory=Counter)
@@ -148,9 +151,43 @@ class ReplayReport:
             "replay_used": self.used,
             "replay_retokenized": self.retokenized,
             "replay_truncated": self.truncated,
+            "replay_traces": self.traces,
             "replay_failed_verification": self.failed_verification,
             "replay_dropped": dict(self.dropped),
         }
+
+
+@dataclass(frozen=True)
+class TraceRules:
+    """What a stored tool trace must match to be replayed by a run with tools (issue 50). A trace is never
+    re-tokenised or cut: its ids continue its prompt's rendering and its mask says which the tool wrote."""
+
+    chat_template_hash: str
+    tool_env_hash: str
+    run_id: str
+    policy_version: int
+    """The weights being trained: the staleness of a trace this run wrote is counted from them."""
+    max_staleness: int | None = None
+    """Traces of this run (online replay) at most this many versions older; other runs' (a phase-1 pool) any."""
+
+
+def trace_problem(
+    t: Trajectory, prompt: EncodedPrompt, tokenizer: PolicyTokenizer, rules: TraceRules | None
+) -> str | None:
+    """Why stored tool trace `t` cannot be replayed here (a `replay_dropped` reason), or None."""
+    if rules is None:
+        return "trace_without_tools"  # a run without tools would train on its tool outputs
+    env = (t.tokenizer_fingerprint, t.chat_template_hash, t.tool_env_hash)
+    if env != (tokenizer.fingerprint, rules.chat_template_hash, rules.tool_env_hash):
+        return "trace_env_changed"
+    if t.prompt_token_ids and tuple(t.prompt_token_ids) != tuple(prompt.token_ids):
+        return "trace_prompt_changed"
+    if len(t.response_token_ids) > tokenizer.max_response_tokens:
+        return "trace_too_long"  # cut, it would lose its answer and its last turns' calls
+    stale = rules.max_staleness is not None and rules.policy_version - t.policy_version > rules.max_staleness
+    if t.run_id == rules.run_id and stale:
+        return "trace_stale"
+    return None
 
 
 def prepare_replayed(
@@ -158,14 +195,23 @@ def prepare_replayed(
     prompts: dict[str, EncodedPrompt],
     tokenizer: PolicyTokenizer,
     report: ReplayReport,
+    traces: TraceRules | None = None,
 ) -> dict[str, list[Trajectory]]:
-    """Replayed successes with this step's prompt ids and policy-tokenizer response ids, unscored."""
+    """Replayed successes with this step's prompt ids and policy-tokenizer response ids, unscored. A tool trace is
+    kept as stored (ids and mask) where `traces` admits it, and dropped otherwise, never re-tokenised."""
     out: dict[str, list[Trajectory]] = {}
     limit = tokenizer.max_response_tokens
     for qid, found in sampled.items():
         report.received += len(found)
         ready = []
         for t in found:
+            if t.response_mask:
+                if problem := trace_problem(t, prompts[qid], tokenizer, traces):
+                    report.dropped[problem] += 1
+                    continue
+                ready.append(replace(t, source=Source.REPLAY, prompt_token_ids=prompts[qid].token_ids,
+                                     behavior_logprobs=()))  # fmt: skip
+                continue
             if t.tokenizer_fingerprint == tokenizer.fingerprint and t.response_token_ids:
                 ids, truncated = t.response_token_ids[:limit], len(t.response_token_ids) > limit
             elif t.response_text.strip():
@@ -192,6 +238,29 @@ def prepare_replayed(
     return out
 
 
+def within_token_share(
+    replayed: dict[str, list[Trajectory]], fresh_tokens: int, max_fraction: float, report: ReplayReport
+) -> dict[str, list[Trajectory]]:
+    """The replayed rows that keep replay's share of the step's response tokens (fresh and replayed) at most
+    `max_fraction`: each question's first row, then each one's second, ... (a long trace does not crowd out every
+    other question's replay); the rest are dropped (`token_budget`). Bounded in tokens, not rows: a multi-turn
+    trace can be many times a fresh answer's length."""
+    budget = max_fraction / (1 - max_fraction) * fresh_tokens if max_fraction < 1 else math.inf
+    kept: dict[str, list[Trajectory]] = {qid: [] for qid in replayed}
+    spent = 0
+    for rank in range(max((len(rows) for rows in replayed.values()), default=0)):
+        for qid, rows in replayed.items():
+            if rank >= len(rows):
+                continue
+            cost = len(rows[rank].response_token_ids)
+            if spent + cost > budget:
+                report.dropped["token_budget"] += 1
+                continue
+            spent += cost
+            kept[qid].append(rows[rank])
+    return {qid: rows for qid, rows in kept.items() if rows}
+
+
 def score_replayed(
     replayed: dict[str, list[Trajectory]],
     outcomes: dict[str, Sequence] | None,
@@ -209,4 +278,5 @@ def score_replayed(
             reward = shaped_reward(base, len(t.response_token_ids), algo)
             scored[qid].append(replace(t, reward=reward, verdict=verdict))
         report.used += len(group)
+        report.traces += sum(bool(t.response_mask) for t in group)
     return scored

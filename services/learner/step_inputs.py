@@ -29,14 +29,23 @@ from rlep.services.learner.metrics import PHASES
 from rlep.services.learner.replay_rules import FreshOutcome, decide
 from rlep.services.learner.scored_trajectories import (
     ReplayReport,
+    TraceRules,
     group_varies,
     prepare_replayed,
     score_fresh,
     score_replayed,
     shaped_reward,
+    within_token_share,
 )
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
-from rlep.services.learner.tool_rollouts import RunCode, ToolFigures, is_void, run_episodes
+from rlep.services.learner.tool_rollouts import (
+    RunCode,
+    ToolFigures,
+    chat_template_hash,
+    is_void,
+    run_episodes,
+    tool_env_hash,
+)
 from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -115,8 +124,12 @@ class StepInputs:
     ):
         self.config, self.questions, self.cursor = config, questions, cursor
         self.services, self.tokenizer = services, tokenizer
-        if config.tools is not None and services.run_code is None:
-            raise ValueError("tools are on but no sandbox was given (ServiceClients.run_code)")
+        self.trace_env = ("", "")
+        """(chat template hash, tool environment hash) of the traces this learner writes and replays."""
+        if config.tools is not None:
+            if services.run_code is None:
+                raise ValueError("tools are on but no sandbox was given (ServiceClients.run_code)")
+            self.trace_env = (chat_template_hash(tokenizer.tokenizer), tool_env_hash(config.tools))
 
     def gather(self, step: int, timer: StepTimer) -> Gathered:
         """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary.
@@ -239,6 +252,7 @@ class StepInputs:
                     trajectories.append(episode.to_trajectory(
                         question.question_id, text, reward, verdict=o.verdict, run_id=self.config.run_id,
                         created_at_ms=now_ms, tokenizer_fingerprint=self.tokenizer.fingerprint, excluded_from_loss=void,
+                        chat_template_hash=self.trace_env[0], tool_env_hash=self.trace_env[1],
                     ))  # fmt: skip
                 fresh.append(trajectories)
         return fresh, figures
@@ -253,10 +267,12 @@ class StepInputs:
         return m
 
     def replayed(
-        self, step: int, gathered: Gathered, report: ReplayReport, timer: StepTimer
+        self, step: int, gathered: Gathered, report: ReplayReport, timer: StepTimer, policy_version: int = 0
     ) -> dict[str, list[Trajectory]]:
         """Up to M stored successes per question, re-tokenised and scored like fresh samples; `report` says how many.
-        `step` is the 0-based index, as in `gather`."""
+        `step` is the 0-based index, as in `gather`. With tools on, stored tool traces are replayed as stored where
+        their environment matches (`TraceRules`; `policy_version`, the weights being trained, bounds the staleness
+        of this run's own), and replayed rows stay within `tools.replay.max_token_fraction` of the step's tokens."""
         algo, m = self.config.algorithm, self._replay_count()
         if algo.replayed_per_question == 0:
             return {}
@@ -278,13 +294,19 @@ class StepInputs:
                 report.dropped["pool_missing"] += report.requested
                 sampled = {}
             prompts = {q.question_id: p for q, p in zip(gathered.questions, gathered.prompts, strict=True)}
-            replayed = prepare_replayed(sampled, prompts, self.tokenizer, report)
+            replayed = prepare_replayed(sampled, prompts, self.tokenizer, report, self._trace_rules(policy_version))
+            if self.config.tools is not None:
+                fresh_tokens = sum(len(t.response_token_ids) for group in gathered.fresh for t in group)
+                share = self.config.tools.replay.max_token_fraction
+                replayed = within_token_share(replayed, fresh_tokens, share, report)
         report.dropped["not_in_pool"] += report.requested - report.received - report.dropped["pool_missing"]
         outcomes = None
         if replayed and algo.reverify_replayed:
             with timer.phase("verify"):
                 asked = {q.question_id: q for q in gathered.questions}
-                groups = [(asked[qid].ground_truth, [t.response_text for t in rows]) for qid, rows in replayed.items()]
+                groups = [
+                    (asked[qid].ground_truth, [self._policy_text(t) for t in rows]) for qid, rows in replayed.items()
+                ]
                 sources = [asked[qid].data_source for qid in replayed]
                 outcomes = dict(zip(replayed, verify_groups(self.services.verifier, groups, sources), strict=True))
         replayed = score_replayed(replayed, outcomes, algo, report)
@@ -302,6 +324,20 @@ class StepInputs:
                 raise ReplayMissingError(message)
             log.warning(message)
         return replayed
+
+    def _trace_rules(self, policy_version: int) -> TraceRules | None:
+        tools = self.config.tools
+        if tools is None:
+            return None  # stored traces are dropped: this run would train on their tool outputs
+        chat, env = self.trace_env
+        return TraceRules(chat, env, self.config.run_id, policy_version, tools.replay.max_staleness)
+
+    def _policy_text(self, t: Trajectory) -> str:
+        """What a row's answer is read from: a tool trace's policy tokens (a tool output is not its answer)."""
+        if not t.response_mask:
+            return t.response_text
+        ids = [token for token, mine in zip(t.response_token_ids, t.response_mask, strict=True) if mine]
+        return self.tokenizer.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _offered(self, gathered: Gathered, report: ReplayReport) -> list[str]:
         """The step's questions the replay rule lets replay into (all of them under `always`, as before rules)."""

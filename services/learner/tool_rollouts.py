@@ -20,7 +20,9 @@ costs one Generate call for all the episodes that go on (one per distinct token 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +32,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field
 
 from rlep.common.config import StrictModel
-from rlep.common.types import FinishReason, Trajectory, Verdict
+from rlep.common.types import FinishReason, ToolCall, Trajectory, Verdict
 from rlep.services.rollout.types import Completion, SampleOut, Sampling
 from rlep.services.sandbox.config import SandboxConfig
 from rlep.services.sandbox.types import ToolResult
@@ -56,6 +58,19 @@ class ToolLoopConfig(StrictModel):
     """Tool calls this loop has in flight at once (the sandbox bounds its own concurrency and each caller's too)."""
 
 
+class TraceReplayConfig(StrictModel):
+    """How stored tool traces are replayed (issue 50, part 3); traces come from the pool like single answers."""
+
+    max_token_fraction: float = Field(0.25, gt=0, le=1)
+    """Replayed rows' share of a step's response tokens, fresh and replayed together; rows past it are not trained
+    (`replay_dropped.token_budget`), each question's first row before any question's second. In tokens, not rows:
+    a trace can be many times a fresh answer's length. (The paper's 16 + 2 rows is ~0.11 of equal-length rows.)"""
+    max_staleness: int | None = Field(None, ge=0)
+    """Traces this run stored (online replay) at most this many weight versions older than the weights being
+    trained (`trace_stale`); None: any. Another run's traces (RLEP's phase-1 pool) are replayed at any age, as
+    single answers are: their versions count another run's weights."""
+
+
 class ToolUseConfig(StrictModel):
     """`TrainConfig.tools`: the training step samples tool episodes instead of single answers (issue 50). An
     episode's token budget is `algorithm.max_response_tokens`; the sandbox runs in the learner's driver process
@@ -70,6 +85,31 @@ class ToolUseConfig(StrictModel):
     other episode. The step record counts them (`tool_void_episodes`) whatever the choice."""
     void_penalty: float = Field(0.5, ge=0)
     """`penalize`: subtracted from a void episode's verified reward (math's are 1 and -1)."""
+    replay: TraceReplayConfig = TraceReplayConfig()
+
+
+# Settings that change what a call answers or how a trace is laid out; the rest (concurrency, the cache, the host
+# user) only schedule calls.
+_SCHEDULING = {"loop": {"tool_workers"}, "sandbox": {"concurrency", "per_caller", "cache_entries", "run_as_uid"}}
+
+
+def tool_env_hash(config: ToolUseConfig) -> str:
+    """Hash of what a trace's tool outputs depend on: the loop's markers and budgets, the sandbox's isolation and
+    limits, and the interpreter it runs (resolved: /usr/bin/python3 -> python3.11). A trace replayed under another
+    environment would teach calls whose outputs this one does not give."""
+    env = {
+        "loop": config.loop.model_dump(mode="json", exclude=_SCHEDULING["loop"]),
+        "sandbox": config.sandbox.model_dump(mode="json", exclude=_SCHEDULING["sandbox"] | {"python"}),
+        "python": os.path.realpath(config.sandbox.interpreter()),
+    }
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def chat_template_hash(tokenizer: Any) -> str:
+    """Hash of the chat template that renders prompts ("" text for a tokenizer without one): a trace's ids continue
+    its prompt's rendering, so a trace rendered by another template is not replayed."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return hashlib.sha256(str(template).encode()).hexdigest()[:32]
 
 
 def is_void(episode: ToolEpisode, verdict: Verdict) -> bool:
@@ -133,19 +173,6 @@ class Segment:
     """The weights that sampled a policy segment (a weight push between turns shows as two versions)."""
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    code: str
-    status: str
-    """The sandbox's `Status` ("ok", "error", "timeout", ...)."""
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    duration_s: float
-    truncated: bool
-    """The sandbox cut the output, or it was cut to `max_output_tokens` here."""
-
-
 @dataclass
 class ToolEpisode:
     prompt_token_ids: list[int]
@@ -185,7 +212,7 @@ class ToolEpisode:
     def to_trajectory(self, question_id: str, response_text: str, reward: float, **fields: Any) -> Trajectory:
         """The episode as a trajectory to train on: its ids, the mask, the engine's logprobs (NaN on tool tokens),
         and the oldest weights that sampled it (a push between turns: staleness counts from the first). `fields`
-        go to the Trajectory (`excluded_from_loss` for a filtered void episode)."""
+        go to the Trajectory (its environment's hashes; `excluded_from_loss` for a filtered void episode)."""
         return Trajectory(
             question_id=question_id,
             response_text=response_text,
@@ -196,6 +223,7 @@ class ToolEpisode:
             response_token_ids=tuple(self.response_token_ids),
             behavior_logprobs=tuple(self.behavior_logprobs),
             response_mask=tuple(self.loss_mask),
+            tool_calls=tuple(self.calls),
             **fields,
         )
 

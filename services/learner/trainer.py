@@ -204,7 +204,7 @@ class Trainer:
             self.sync_rollout()
         gathered, staleness, stale_groups = self._gather(timer)
         replay = ReplayReport()
-        replayed = self.inputs.replayed(self.step, gathered, replay, timer)
+        replayed = self.inputs.replayed(self.step, gathered, replay, timer, policy_version=self.version)
         groups = [
             Group(q.question_id, q.ground_truth, fresh + replayed.get(q.question_id, []))
             for q, fresh in zip(gathered.questions, gathered.fresh, strict=True)
@@ -301,7 +301,8 @@ class Trainer:
         return gathered, fresh_staleness(gathered.fresh, self.version), dropped
 
     def _add_successes(self, fresh: list[list[Trajectory]]) -> None:
-        successes = [t for group in fresh for t in group if t.verdict == Verdict.CORRECT]
+        # A void tool episode left out of the loss is left out of the pool too: replay would train on it.
+        successes = [t for group in fresh for t in group if t.verdict == Verdict.CORRECT and not t.excluded_from_loss]
         if successes:
             self.services.replay.add(self.config.replay_pool, successes)
 

@@ -33,6 +33,7 @@ from rlep.services.replay.sampling import Strategy
 POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_QUESTION_ID_CHARS = 256
 MAX_FINGERPRINT_CHARS = 64
+MAX_TOOL_CALLS = 64  # a trace's calls (the tool loop's max_calls is at most 64)
 # An export chunk holds at most this many questions (the server also cuts a chunk by bytes).
 MAX_QUESTIONS_PER_CHUNK = 4096
 DEFAULT_QUESTIONS_PER_CHUNK = 256
@@ -104,10 +105,28 @@ def trajectory_problem(traj: trajectory_pb2.Trajectory, max_trajectory_bytes: in
         return f"tokenizer_fingerprint longer than {MAX_FINGERPRINT_CHARS} characters"
     if traj.behavior_logprobs and len(traj.behavior_logprobs) != len(traj.response_token_ids):
         return "behavior_logprobs and response_token_ids differ in length"
-    if not all(map(math.isfinite, traj.behavior_logprobs)):  # a NaN would reach the learner's IS weights
-        return "behavior_logprobs must be finite"
+    if problem := _trace_problem(traj):
+        return problem
+    sampled = traj.response_mask or [1] * len(traj.behavior_logprobs)  # a tool's tokens have no logprob (NaN)
+    if not all(math.isfinite(lp) for lp, m in zip(traj.behavior_logprobs, sampled, strict=False) if m):
+        return "behavior_logprobs must be finite"  # a NaN would reach the learner's IS weights
     if traj.ByteSize() > max_trajectory_bytes:
         return f"oversize: {traj.ByteSize()} bytes > {max_trajectory_bytes}"
+    return None
+
+
+def _trace_problem(traj: trajectory_pb2.Trajectory) -> str | None:
+    """Why a tool trace's own fields do not fit together (a single-turn answer has none of them), or None."""
+    if len(traj.chat_template_hash) > MAX_FINGERPRINT_CHARS or len(traj.tool_env_hash) > MAX_FINGERPRINT_CHARS:
+        return f"chat_template_hash and tool_env_hash take at most {MAX_FINGERPRINT_CHARS} characters"
+    if not traj.response_mask:
+        return "tool_calls without a response_mask (its tool tokens would be trained on)" if traj.tool_calls else None
+    if len(traj.response_mask) != len(traj.response_token_ids):
+        return "response_mask and response_token_ids differ in length"
+    if not set(traj.response_mask) <= {0, 1} or 1 not in traj.response_mask:
+        return "response_mask holds 0 (tool) and 1 (policy) only, with at least one policy token"
+    if len(traj.tool_calls) > MAX_TOOL_CALLS:
+        return f"more than {MAX_TOOL_CALLS} tool_calls"
     return None
 
 

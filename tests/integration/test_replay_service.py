@@ -372,3 +372,56 @@ def test_a_client_with_an_outage_budget_rides_out_a_replay_restart(redis_url, au
     finally:
         logging.getLogger("rlep.common.grpc_retry").removeHandler(handler)
         patient.close()
+
+
+def tool_trace(qid: str, i: int) -> Trajectory:
+    """A multi-turn tool episode as the learner stores it (issue 50): ids, mask, NaN logprobs on the tool's tokens."""
+    from rlep.common.types import ToolCall
+
+    nan = float("nan")
+    return Trajectory(
+        qid,
+        f"<code>print({i})</code><output>\n{i}\n</output>\\boxed{{{i}}}",
+        reward=1.0,
+        verdict=Verdict.CORRECT,
+        policy_version=3,
+        response_token_ids=(10 + i, 11, 12, 13, 14),
+        behavior_logprobs=(-0.5, -0.25, nan, nan, -0.125),
+        response_mask=(1, 1, 0, 0, 1),
+        tokenizer_fingerprint="t" * 16,
+        chat_template_hash="c" * 32,
+        tool_env_hash="e" * 32,
+        tool_calls=(ToolCall(f"print({i})", "ok", 0, f"{i}\n", "", 0.02, False),),
+        run_id="run-a",
+    )
+
+
+def test_a_tool_trace_is_stored_sampled_and_exported_whole(replay_client, pool_name):
+    """Issue 50, part 3: the pool keeps a trace's mask, calls and hashes through add, Sample and export/import (the
+    NaN logprobs of its tool tokens are accepted: no importance ratio reads them); a trace whose mask does not fit
+    its ids is refused with its reason and stores nothing."""
+    from rlep.common.wire import trajectory_to_proto
+
+    traces = [tool_trace("q", i) for i in range(3)]
+    bad = trajectory_to_proto(tool_trace("q", 9))
+    del bad.response_mask[2:]  # what a client that is not rlep's could send
+    request = replay_pb2.AddTrajectoriesRequest(pool=pool_name, trajectories=[*map(trajectory_to_proto, traces), bad])
+    reply = replay_client.stub.AddTrajectories(request, timeout=10)
+    assert (reply.added, reply.rejected) == (3, 1)
+    assert "response_mask and response_token_ids differ in length" in reply.rejections[0].reason
+
+    def whole(t: Trajectory) -> tuple:
+        return (t.response_token_ids, t.response_mask, t.tool_calls, t.chat_template_hash, t.tool_env_hash)
+
+    drawn = replay_client.sample(pool_name, ["q"], m=3, seed=1)["q"]
+    assert sorted(map(whole, drawn)) == sorted(map(whole, traces))
+    copy = pool_name + "-traces"
+    chunks = list(replay_client.export(pool_name))
+    for chunk in chunks:
+        chunk.pool = copy
+    try:
+        assert replay_client.import_chunks(chunks).added == 3
+        again = replay_client.sample(copy, ["q"], m=3, seed=1)["q"]
+        assert sorted(map(whole, again)) == sorted(map(whole, traces))
+    finally:
+        replay_client.drop(copy, confirm=copy)

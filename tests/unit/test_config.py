@@ -167,13 +167,12 @@ def test_mini_batches_count_fresh_rows_by_default_and_all_rows_for_the_equal_upd
     assert AlgorithmConfig(**{**sizes, "replayed_per_question": 0}, mini_batch_rows="all").mini_batch_size == 32
 
 
-def test_tools_refuse_replay():
+def test_tools_take_replay_and_survive_the_actors_dump():
     from rlep.services.learner.config import TrainConfig
 
-    with pytest.raises(ValueError, match="replay of tool traces is not built yet"):
-        TrainConfig.model_validate({"tools": {}})  # M = 2 by default
-    with pytest.raises(ValueError, match="replay of tool traces is not built yet"):
-        TrainConfig.model_validate({"tools": {}, "algorithm": {"replayed_per_question": 0, "online_replay": True}})
-    config = TrainConfig.model_validate({"tools": {}, "algorithm": {"replayed_per_question": 0}})
+    config = TrainConfig.model_validate({"tools": {"replay": {"max_token_fraction": 0.5, "max_staleness": 2}}})
+    assert config.algorithm.replayed_per_question == 2 and config.tools.void_turns == "filter"
+    with pytest.raises(ValueError, match="max_token_fraction"):
+        TrainConfig.model_validate({"tools": {"replay": {"max_token_fraction": 0}}})
     # What the learner's actors receive: the config dumped and read again.
     assert TrainConfig.model_validate(config.model_dump(mode="json")) == config

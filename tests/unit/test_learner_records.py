@@ -26,6 +26,7 @@ STEP_KEYS = [
     "replay_offered",
     "replay_skipped",
     "replay_rescued_groups",
+    "replay_traces",
 ]  # fmt: skip
 
 

@@ -100,3 +100,68 @@ def test_a_kept_id_on_copies_of_one_prompt_is_no_conflict(tmp_path):
         DatasetError, match=r"^.*: 1 rows reuse .*first: row 2 has the question_id a of row 0 with another prompt"
     ):
         read_verl_parquet(tmp_path / "t.parquet")
+
+
+def _trace_chunk(qid: str = "q") -> replay_pb2.PoolChunk:
+    chunk = replay_pb2.PoolChunk(pool="p")
+    chunk.questions.add(question_id=qid, ground_truth="42", prompt=[replay_pb2.ChatMessage(role="user", content="6*7")])
+    chunk.trajectories.add(question_id=qid, response_text="\\boxed{42}", verdict=1)  # a single-turn answer
+    trace = chunk.trajectories.add(
+        question_id=qid, response_text="<code>print(6*7)</code><output>\n\\boxed{42}\n</output>\\boxed{42}",
+        verdict=1, response_token_ids=[5, 6, 7, 8], response_mask=[1, 0, 0, 1], tokenizer_fingerprint="t" * 16,
+        chat_template_hash="c" * 32, tool_env_hash="e" * 32, policy_version=7, run_id="run-a",
+    )  # fmt: skip
+    trace.tool_calls.add(code="print(6*7)", status="ok", exit_code=0, stdout="\\boxed{42}\n")
+    return chunk
+
+
+def test_a_tool_trace_round_trips_whole_and_is_never_a_candidate(tmp_path):
+    """A verl reader (or an older rlep) takes candidates for answers the policy wrote: a trace's text holds the tool's
+    output, so it travels only in `rlep_traces`, whole, and comes back as a trace."""
+    path = tmp_path / "traces.parquet"
+    assert write_pool_rows([_trace_chunk()], path) == 1
+    [row] = pq.read_table(path).to_pylist()
+    assert row["reward_model"]["candidates"] == ["\\boxed{42}"] and len(row["rlep_traces"]) == 1
+    [chunk] = list(read_pool_rows(path, "p"))
+    single, trace = chunk.trajectories
+    assert not single.response_mask and single.response_text == "\\boxed{42}"
+    stored = _trace_chunk().trajectories[1]
+    assert list(trace.response_mask) == [1, 0, 0, 1] and trace.tool_calls == stored.tool_calls
+    assert (trace.response_token_ids, trace.tool_env_hash, trace.policy_version) == (
+        stored.response_token_ids, stored.tool_env_hash, 7
+    )  # fmt: skip
+    assert trace.run_id == "import:traces.parquet" and trace.source == 2  # another run's trace from now on
+
+
+def test_a_row_of_traces_only_imports_and_bad_traces_are_left_out_one_by_one(tmp_path):
+    from rlep.common.pool_parquet import check_pool_file
+
+    chunk = _trace_chunk()
+    del chunk.trajectories[0]  # the question's only success is a trace: the row has no candidate
+    path = tmp_path / "only.parquet"
+    write_pool_rows([chunk], path)
+    table = pq.read_table(path)
+    good = table.column("rlep_traces")[0].as_py()[0]
+    other = chunk.trajectories[0].__deepcopy__()
+    other.question_id = "another question"
+    unmasked = chunk.trajectories[0].__deepcopy__()
+    del unmasked.response_mask[:]
+    bad = [b"\xff not a message", other.SerializeToString(), unmasked.SerializeToString(), b"x" * (2 << 20)]
+    rows = table.to_pylist()
+    rows[0]["rlep_traces"] = [good, *bad]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    check = check_pool_file(path)
+    assert check.importable == 1 and (check.skipped_candidates, check.skipped_traces) == (0, 4)
+    [imported] = list(read_pool_rows(check, "p"))
+    assert [list(t.response_mask) for t in imported.trajectories] == [[1, 0, 0, 1]]
+
+
+def test_a_file_of_a_later_trace_schema_is_refused(tmp_path):
+    from rlep.common.pool_parquet import PoolFileError, check_pool_file
+
+    path = tmp_path / "later.parquet"
+    write_pool_rows([_trace_chunk()], path)
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"rlep.traces_schema": b"2"}), path)
+    with pytest.raises(PoolFileError, match="tool traces are schema 2, this version reads 1"):
+        check_pool_file(path)

@@ -83,6 +83,29 @@ def test_trajectory_problems_are_reasons_not_errors():
     assert problem(tokenizer_fingerprint="f" * 65) == "tokenizer_fingerprint longer than 64 characters"
 
 
+def test_a_tool_trace_is_stored_only_with_a_mask_that_fits_it():
+    def problem(**fields):
+        base = {
+            "question_id": "q",
+            "response_text": "a",
+            "verdict": trajectory_pb2.CORRECT,
+            "response_token_ids": [5, 6, 7],
+        }
+        return trajectory_problem(trajectory_pb2.Trajectory(**{**base, **fields}), max_trajectory_bytes=4096)
+
+    call = trajectory_pb2.ToolCall(code="print(1)", status="ok", exit_code=0, stdout="1\n")
+    assert problem(response_mask=[1, 0, 1], tool_calls=[call], behavior_logprobs=[-0.1, math.nan, -0.2]) is None
+    assert (
+        problem(response_mask=[1, 1, 1], behavior_logprobs=[-0.1, math.nan, -0.2]) == "behavior_logprobs must be finite"
+    )
+    assert problem(tool_calls=[call]).startswith("tool_calls without a response_mask")
+    assert problem(response_mask=[1, 0]) == "response_mask and response_token_ids differ in length"
+    assert problem(response_mask=[0, 0, 0]).startswith("response_mask holds 0 (tool) and 1 (policy) only")
+    assert problem(response_mask=[1, 2, 1]).startswith("response_mask holds 0 (tool) and 1 (policy) only")
+    assert problem(response_mask=[1, 0, 1], tool_calls=[call] * 65) == "more than 64 tool_calls"
+    assert problem(tool_env_hash="e" * 65).startswith("chat_template_hash and tool_env_hash take at most 64")
+
+
 def test_updates_drops_exports_and_imports():
     update = replay_pb2.PriorityUpdate(question_id="q", trajectory_id="t", priority=0.0)
     with pytest.raises(InvalidRequest, match="priority must be finite and > 0, got 0.0 for 'q'"):

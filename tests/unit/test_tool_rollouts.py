@@ -260,10 +260,22 @@ def test_a_response_mask_must_fit_its_response():
         Trajectory("q", "a", 0.0, response_token_ids=(1, 2), excluded_from_loss=True)
 
 
-def test_the_replay_contract_refuses_a_tool_trace_it_cannot_carry():
-    from rlep.common.wire import trajectory_to_proto
+def test_a_tool_trace_travels_whole_through_the_replay_contract():
+    """Its mask, its calls (an exit code of None stays None) and its environment's hashes; `excluded_from_loss`, one
+    step's decision of the learner, does not travel."""
+    from rlep.common.types import Verdict
+    from rlep.common.wire import trajectory_from_proto, trajectory_to_proto
 
-    run_code, _ = ran()
-    [episode], _ = episodes(["<code>1</code>", "done"], run_code)
-    with pytest.raises(ValueError, match="does not carry tool traces yet"):
-        trajectory_to_proto(episode.to_trajectory("q1", "done", 1.0))
+    run_code, _ = ran(stdout="1\n")
+    [episode], _ = episodes(["<code>print(1)</code>", "done"], run_code)
+    killed = dataclasses.replace(episode.calls[0], status="timeout", exit_code=None, truncated=True)
+    episode.calls.append(killed)
+    trace = episode.to_trajectory(
+        "q1", "done", 1.0, verdict=Verdict.CORRECT, chat_template_hash="c" * 32, tool_env_hash="e" * 32,
+        tokenizer_fingerprint="t" * 16, excluded_from_loss=True,
+    )  # fmt: skip
+    back = trajectory_from_proto(trajectory_to_proto(trace))
+    nan_free = {"behavior_logprobs": (), "excluded_from_loss": False}  # NaN (a tool token's logprob) != NaN
+    assert dataclasses.replace(back, **nan_free) == dataclasses.replace(trace, **nan_free)
+    assert [math.isnan(lp) for lp in back.behavior_logprobs] == [m == 0 for m in trace.response_mask]
+    assert 0 in back.response_mask and back.tool_calls[1].exit_code is None and back.tool_calls[0].exit_code == 0
