@@ -1,15 +1,20 @@
 """Issue 50's hostile tool code against the sandbox (`rlep.services.sandbox`, default limits, real bubblewrap): per
 case, the status it gets and how long it took, then how long an honest call takes right after (bound: 2 s) and
-whether any process of the sandbox's users is left on the host (bound: 0)."""
+whether any process of the sandbox's users is left on the host (bound: 0). Then the service (`rlep serve sandbox`)
+under hostile callers: 64 concurrent slow calls, code over the size limits, and the health check meanwhile."""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from hostile.common import Service, checked, code_of, health_check_s
+from rlep.common.grpc_channel import make_channel
+from rlep.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from rlep.services.sandbox.config import SandboxConfig
 from rlep.services.sandbox.sandbox import Sandbox
 
@@ -74,4 +79,43 @@ def sandbox_items(work) -> dict:
             out["50 sandbox: host port reached"] = {"connections": 0, "met": True}
     finally:
         server.close()
+    out["50 sandbox service: hostile callers"] = service_items()
     return out
+
+
+def service_items() -> dict:
+    """`rlep serve sandbox` (2 slots, 14 calls in the server at most): 64 callers each sending a 3-s sleep at once
+    (the ones past the bound get UNAVAILABLE at once, the rest queue and run), the health check's worst answer
+    meanwhile, code at and past `max_code_bytes`, a request past `server.max_request_bytes`."""
+    service = Service("sandbox", "sandbox.cache_entries=0", "max_wait_s=120")
+    stub = sandbox_pb2_grpc.SandboxStub(make_channel(service.address))
+
+    def call(i: int) -> str:
+        return code_of(
+            lambda: stub.Run(sandbox_pb2.RunRequest(code="import time; time.sleep(3)", caller=f"c{i}"), timeout=150)
+        )
+
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            started = time.monotonic()
+            codes = pool.map(call, range(64))
+            health = []
+            while time.monotonic() - started < 10:
+                health.append(health_check_s(service.address) or 99.0)
+                time.sleep(0.2)
+            codes = list(codes)
+        limit = 64 << 10
+        figures = {
+            "OK": codes.count("OK"),
+            "UNAVAILABLE": codes.count("UNAVAILABLE"),
+            "other codes": len(codes) - codes.count("OK") - codes.count("UNAVAILABLE"),
+            "health_check_worst_s": round(max(health), 3),
+            "code at max_code_bytes": code_of(lambda: stub.Run(sandbox_pb2.RunRequest(code="#" * limit), timeout=30)),
+            "code past max_code_bytes": code_of(
+                lambda: stub.Run(sandbox_pb2.RunRequest(code="#" * (limit + 1)), timeout=30)
+            ),
+            "2 MiB request": code_of(lambda: stub.Run(sandbox_pb2.RunRequest(code="#" * (2 << 20)), timeout=30)),
+        }
+    finally:
+        service.stop()
+    return checked(figures, {"health_check_worst_s": 1.0, "other codes": 0})

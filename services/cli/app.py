@@ -67,6 +67,10 @@ SERVICES: dict[str, ServiceEntry] = {
         "rlep.services.eval.config:EvalConfig",
         "Evaluation jobs over REST (default port 8080): Avg/Maj/Pass@N through rollout + verifier, kept in Redis.",
     ),
+    "sandbox": ServiceEntry(
+        "rlep.services.sandbox.config:SandboxServiceConfig",
+        "Runs a policy's tool code (rlep.sandbox.v1.Sandbox) under bubblewrap and limits, fair slots per caller.",
+    ),
 }
 
 

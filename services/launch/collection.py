@@ -65,6 +65,7 @@ def collect_pool(
             checkpoint=checkpoint,
             tokenizer=tokenizer,
             sinks=sinks,
+            tools=train.tools,  # the run's tools: its phase-1 pool holds traces its replay can train on
         )
     finally:
         for sink in sinks:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rlep.services.replay.config import ReplayConfig
     from rlep.services.rollout.config import RolloutConfig
     from rlep.services.rollout.main import RunningRollout
+    from rlep.services.sandbox.config import SandboxServiceConfig
     from rlep.services.verifier.config import VerifierConfig
 
 
@@ -38,6 +39,12 @@ def serve_rollout(config: RolloutConfig) -> None:
     serve_forever(config)
 
 
+def serve_sandbox(config: SandboxServiceConfig) -> None:
+    from rlep.services.sandbox.main import serve_forever
+
+    serve_forever(config)
+
+
 def serve_eval(config: EvalConfig) -> None:
     from rlep.services.eval.main import serve_forever
 
@@ -50,6 +57,7 @@ SERVE_FOREVER: dict[str, Callable[[Any], None]] = {
     "replay": serve_replay,
     "rollout": serve_rollout,
     "eval": serve_eval,
+    "sandbox": serve_sandbox,
 }
 
 

@@ -82,6 +82,7 @@ class ServiceStack:
     def start(self, need_replay: bool = True) -> ServiceClients:
         from rlep.services.replay.client import ReplayClient
         from rlep.services.rollout.client import RolloutClient
+        from rlep.services.sandbox.client import SandboxClient
         from rlep.services.verifier.client import VerifierClient
 
         endpoints, local = self.config.endpoints, self.config.local
@@ -114,8 +115,12 @@ class ServiceStack:
             )
             replay = ReplayClient(replay_address, token=self.token, outage_s=endpoints.service_outage_s)
             self.addresses["replay"] = replay_address
-        # Tool code runs here, in the driver's process, under the sandbox's namespaces (no gRPC sandbox yet).
-        run_code = Sandbox(self.config.tools.sandbox).run if self.config.tools is not None else None
+        run_code = None
+        if self.config.tools is not None and endpoints.sandbox:  # a sandbox service: tool code runs there
+            sandbox = SandboxClient(endpoints.sandbox, token=self.token, outage_s=endpoints.service_outage_s)
+            run_code, self.addresses["sandbox"] = sandbox.run, endpoints.sandbox
+        elif self.config.tools is not None:  # here, in the driver's process, under the sandbox's namespaces
+            run_code = Sandbox(self.config.tools.sandbox).run
         self.services = ServiceClients(rollout=rollout, verifier=verifier, replay=replay, run_code=run_code)
         return self.services
 

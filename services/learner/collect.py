@@ -33,8 +33,9 @@ from rlep.common.policy_info import policy_version_of
 from rlep.common.types import Source, Trajectory, Verdict
 from rlep.services.learner.config import CollectConfig
 from rlep.services.learner.scored_trajectories import sampled_trajectories
-from rlep.services.learner.step_inputs import ServiceClients
+from rlep.services.learner.step_inputs import ServiceClients, verify_episodes
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.tool_rollouts import ToolUseConfig, chat_template_hash, is_void, run_episodes, tool_env_hash
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -81,7 +82,11 @@ def checkpoint_identity(checkpoint: Path | str | None) -> str:
 
 
 def run_settings(
-    config: CollectConfig, questions: list[Question], pool: str, checkpoint: Path | str | None = None
+    config: CollectConfig,
+    questions: list[Question],
+    pool: str,
+    checkpoint: Path | str | None = None,
+    tools: ToolUseConfig | None = None,
 ) -> dict[str, Any]:
     """Everything that changes what a collection stores, as a JSON-able dict (see the module docstring)."""
     content = json.dumps([[q.question_id, q.messages, q.ground_truth] for q in questions])
@@ -92,6 +97,7 @@ def run_settings(
         "pool": pool,
         "checkpoint": checkpoint_identity(checkpoint),
         "questions": f"{len(questions)} questions, sha256 {hashlib.sha256(content.encode()).hexdigest()}",
+        **({"tools": tools.model_dump(mode="json")} if tools is not None else {}),  # absent: older states resume
     }
 
 
@@ -135,8 +141,11 @@ def collect(
     checkpoint: Path | str | None = None,
     tokenizer: PolicyTokenizer | None = None,
     sinks: Sequence[StepSink] = (),
+    tools: ToolUseConfig | None = None,
 ) -> CollectStats:
-    """Samples, verifies and stores successes chunk by chunk.
+    """Samples, verifies and stores successes chunk by chunk; with `tools` (and `tokenizer`, and a sandbox in
+    `services.run_code`), multi-turn tool episodes whose successes are stored as whole traces (issue 50; an episode
+    ending in a void turn is not stored, whatever it answered).
 
     Resumes from `state_file` when it holds a run with the same `run_settings` (the sampled
     `checkpoint` among them); raises StateMismatch when it holds another. With `tokenizer` (the sampled
@@ -144,7 +153,9 @@ def collect(
     fingerprint, so a learner with the same tokenizer trains on their ids as sampled. After each chunk the
     stats (the state file's names, plus `success_rate`) go to `sinks` at step `chunks_done`.
     """
-    settings = run_settings(config, questions, pool, checkpoint)
+    settings = run_settings(config, questions, pool, checkpoint, tools)
+    if tools is not None and (tokenizer is None or services.run_code is None):
+        raise ValueError("collecting tool traces needs the policy's tokenizer and a sandbox (ServiceClients.run_code)")
     stats = load_state(state_file, settings)
     if tokenizer is not None:  # prompt + max_response_tokens must fit every replica's model
         tokenizer.fit_model_length(services.rollout.max_model_len())
@@ -168,7 +179,7 @@ def collect(
             kept=stats.questions_kept,
         )
         for index in range(stats.chunks_done, len(chunks)):
-            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer)
+            _collect_chunk(services, chunks[index], pool, config, index, stats, tokenizer, tools)
             stats.chunks_done = index + 1
             stats.seconds = time.perf_counter() - started
             if state_file:
@@ -189,35 +200,25 @@ def _collect_chunk(
     index: int,
     stats: CollectStats,
     tokenizer: PolicyTokenizer | None,
+    tools: ToolUseConfig | None = None,
 ) -> None:
     prompts = [tokenizer.encode_prompt(q.chat()).token_ids if tokenizer else q.chat() for q in chunk]
-    completions = services.rollout.generate(
-        prompts,
-        Sampling(
-            n=config.samples_per_question,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            max_tokens=config.max_response_tokens,
-            seed=config.seed * 1_000_003 + index,
-        ),
+    sampling = Sampling(
+        n=config.samples_per_question,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_tokens=config.max_response_tokens,
+        seed=config.seed * 1_000_003 + index,
     )
-    groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
-    verified = verify_groups(services.verifier, groups, [q.data_source for q in chunk])
+    if tools is None:
+        sampled_groups = _sampled(services, chunk, prompts, sampling, config, tokenizer)
+    else:
+        sampled_groups = _sampled_traces(services, chunk, prompts, sampling, config, tokenizer, tools)
     keep: list[Trajectory] = []
-    fingerprint = tokenizer.fingerprint if tokenizer else ""
-    for question, completion, outcomes in zip(chunk, completions, verified, strict=True):
-        sampled = sampled_trajectories(
-            question.question_id,
-            completion.prompt_token_ids,
-            completion.samples,
-            outcomes,
-            Source.REPLAY,
-            config.run_id,
-            fingerprint,
-        )
+    for sampled in sampled_groups:
         successes = [t for t in sampled if t.verdict == Verdict.CORRECT]
         stats.questions += 1
-        stats.samples += len(completion.samples)
+        stats.samples += config.samples_per_question
         stats.successes += len(successes)
         # Identical answers are one success in the pool (ids hash the text), whatever the rule counts.
         if keeps_question([t.response_text for t in successes], config.min_successes, config.keep_rule):
@@ -226,6 +227,52 @@ def _collect_chunk(
     if keep:
         reply = services.replay.add(pool, keep)
         stats.successes_stored += reply.added
+
+
+def _sampled(services, chunk, prompts, sampling, config: CollectConfig, tokenizer) -> list[list[Trajectory]]:
+    completions = services.rollout.generate(prompts, sampling)
+    groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(chunk, completions, strict=True)]
+    verified = verify_groups(services.verifier, groups, [q.data_source for q in chunk])
+    fingerprint = tokenizer.fingerprint if tokenizer else ""
+    return [
+        sampled_trajectories(
+            question.question_id,
+            completion.prompt_token_ids,
+            completion.samples,
+            outcomes,
+            Source.REPLAY,
+            config.run_id,
+            fingerprint,
+        )
+        for question, completion, outcomes in zip(chunk, completions, verified, strict=True)
+    ]
+
+
+def _sampled_traces(
+    services, chunk, prompts, sampling, config: CollectConfig, tokenizer: PolicyTokenizer, tools: ToolUseConfig
+) -> list[list[Trajectory]]:
+    """Tool episodes as traces, verified on the policy's tokens; void ones left out (SimpleTIR: no signal)."""
+    hf = tokenizer.tokenizer
+    episodes = run_episodes(prompts, sampling, services.rollout.generate, services.run_code, hf, tools.loop)
+    texts, verified = verify_episodes(services.verifier, chunk, episodes, hf)
+    env = {"chat_template_hash": chat_template_hash(hf), "tool_env_hash": tool_env_hash(tools)}
+    return [
+        [
+            episode.to_trajectory(
+                question.question_id,
+                text,
+                outcome.reward,
+                verdict=outcome.verdict,
+                source=Source.REPLAY,
+                run_id=config.run_id,
+                tokenizer_fingerprint=tokenizer.fingerprint,
+                **env,
+            )  # fmt: skip
+            for episode, text, outcome in zip(group, group_texts, outcomes, strict=True)
+            if not is_void(episode, outcome.verdict)
+        ]
+        for question, group, group_texts, outcomes in zip(chunk, episodes, texts, verified, strict=True)
+    ]
 
 
 def push_checkpoint(rollout, model_dir: Path) -> int:

@@ -249,6 +249,9 @@ class EndpointsConfig(StrictModel):
 
     verifier: str | None = None
     replay: str | None = None
+    sandbox: str | None = None
+    """With `tools`: a sandbox service (`rlep serve sandbox`) that runs the tool calls; None = the sandbox runs in the
+    learner's driver process (bubblewrap must be there)."""
     auth_token_file: Path | None = None
     service_outage_s: float = Field(120.0, ge=0)
     """How long the learner waits out a verifier or replay service that does not answer (a container or pod

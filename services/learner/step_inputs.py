@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +40,7 @@ from rlep.services.learner.scored_trajectories import (
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.learner.tool_rollouts import (
     RunCode,
+    ToolEpisode,
     ToolFigures,
     chat_template_hash,
     is_void,
@@ -111,6 +112,17 @@ class Gathered:
     per-question history is told."""
     tools: ToolFigures | None = None
     """With `tools` on: the step's tool episodes, every round's."""
+
+
+def verify_episodes(
+    verifier, questions: Sequence[Question], episodes: list[list[ToolEpisode]], hf
+) -> tuple[list, list]:
+    """Each episode's whole text (tool outputs included: what the trajectory shows) and the verifier's outcome on
+    its policy's own tokens, every turn's (a tool output that prints `\\boxed{42}` is not the policy's answer)."""
+    texts = [[hf.decode(e.response_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
+    answers = [[hf.decode(e.policy_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
+    groups = [(q.ground_truth, group) for q, group in zip(questions, answers, strict=True)]
+    return texts, verify_groups(verifier, groups, [q.data_source for q in questions])
 
 
 class StepInputs:
@@ -233,10 +245,7 @@ class StepInputs:
             )
         figures = ToolFigures()
         with timer.phase("verify"):
-            texts = [[hf.decode(e.response_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
-            answers = [[hf.decode(e.policy_token_ids, skip_special_tokens=True) for e in group] for group in episodes]
-            groups = [(q.ground_truth, group) for q, group in zip(questions, answers, strict=True)]
-            outcomes = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
+            texts, outcomes = verify_episodes(self.services.verifier, questions, episodes, hf)
             now_ms = int(time.time() * 1000)
             fresh = []
             figures.void_turns = tools.void_turns

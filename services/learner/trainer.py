@@ -60,8 +60,9 @@ from rlep.services.learner.records import EvalRecord, LogRecord, StepRecord, for
 from rlep.services.learner.replay_priorities import policy_surprise, priority_updates
 from rlep.services.learner.replay_signal import replay_signal
 from rlep.services.learner.scored_trajectories import ReplayReport
-from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer
+from rlep.services.learner.step_inputs import Gathered, ServiceClients, StepInputs, StepTimer, verify_episodes
 from rlep.services.learner.tokens import PolicyTokenizer
+from rlep.services.learner.tool_rollouts import run_episodes
 from rlep.services.learner.tracking import StepSink, run_dir
 from rlep.services.rollout.client import Replica
 from rlep.services.rollout.types import Sampling
@@ -312,17 +313,23 @@ class Trainer:
         question (in the evaluation set's order)."""
         cfg = self.config.eval
         questions = self.eval_questions[: cfg.max_questions]
-        completions = self.services.rollout.generate(
-            [self.tokenizer.encode_prompt(q.chat()).token_ids for q in questions],
-            Sampling(
-                n=cfg.samples_per_question,
-                temperature=cfg.temperature,
-                max_tokens=self.config.algorithm.max_response_tokens,
-                seed=self.config.seed,
-            ),
+        prompts = [self.tokenizer.encode_prompt(q.chat()).token_ids for q in questions]
+        sampling = Sampling(
+            n=cfg.samples_per_question,
+            temperature=cfg.temperature,
+            max_tokens=self.config.algorithm.max_response_tokens,
+            seed=self.config.seed,
         )
-        groups = [(q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)]
-        verified = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
+        if self.config.tools is not None:  # the policy is evaluated as it trains: with the tool, on its own tokens
+            hf, generate = self.tokenizer.tokenizer, self.services.rollout.generate
+            episodes = run_episodes(prompts, sampling, generate, self.services.run_code, hf, self.config.tools.loop)
+            verified = verify_episodes(self.services.verifier, questions, episodes, hf)[1]
+        else:
+            completions = self.services.rollout.generate(prompts, sampling)
+            groups = [
+                (q.ground_truth, [s.text for s in c.samples]) for q, c in zip(questions, completions, strict=True)
+            ]
+            verified = verify_groups(self.services.verifier, groups, [q.data_source for q in questions])
         correct = [sum(o.verdict == Verdict.CORRECT for o in group) for group in verified]
         return sum(correct) / max(1, sum(len(group) for group in verified)), correct
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlep.common.config import StrictModel
+from rlep.common.config import ServerConfig, StrictModel
 
 # Interpreters the sandbox may run, in order: outside any home folder, so the unprivileged user it runs as can
 # reach them. Debian's and the official python images' places.
@@ -94,3 +94,35 @@ class SandboxConfig(StrictModel):
                 "isolation=rlimits runs without it but does not stop network access or file reads"
             )
         return found
+
+
+DEFAULT_PORT = 50064
+
+
+class SandboxServiceConfig(StrictModel):
+    """`rlep serve sandbox`: the sandbox behind gRPC (`rlep.sandbox.v1.Sandbox`), for learners that do not run tool
+    code in their own process (`endpoints.sandbox`), e.g. a pod of its own on Kubernetes."""
+
+    server: ServerConfig = ServerConfig(port=DEFAULT_PORT, max_request_bytes=1 << 20)
+    """A request is one piece of code (at most `sandbox.max_code_bytes`): 1 MiB bounds what a caller can send."""
+    sandbox: SandboxConfig = SandboxConfig()
+    max_calls_in_flight: int | None = Field(None, ge=1)
+    """Run calls in the server at once, running or waiting for a slot; one more gets UNAVAILABLE at once. Each holds a
+    gRPC thread. None = `server.grpc_threads` - 2 (two threads always free for health checks)."""
+    max_wait_s: float = Field(60.0, gt=0)
+    """Longest a call waits for a slot (a shorter client deadline ends it sooner): DEADLINE_EXCEEDED after it."""
+
+    @property
+    def call_slots(self) -> int:
+        return self.max_calls_in_flight or max(1, self.server.grpc_threads - 2)
+
+    @model_validator(mode="after")
+    def _calls_leave_threads(self) -> SandboxServiceConfig:
+        if self.call_slots >= self.server.grpc_threads:
+            raise ValueError(
+                f"max_calls_in_flight ({self.call_slots}) must stay below server.grpc_threads "
+                f"({self.server.grpc_threads}): the health check needs a thread"
+            )
+        if self.sandbox.max_code_bytes > self.server.max_request_bytes:
+            raise ValueError("sandbox.max_code_bytes cannot exceed server.max_request_bytes")
+        return self

@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT, free_port
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
-RLEP_SERVICES = {"verifier", "replay", "rollout", "eval", "learner"}
+RLEP_SERVICES = {"verifier", "replay", "rollout", "eval", "learner", "sandbox"}
 TOKEN = "/run/secrets/rlep_auth_token"
 
 
@@ -77,7 +77,7 @@ def test_rlep_services_listen_on_all_interfaces_with_the_shared_config_and_token
 
 def test_health_checks_use_the_image_script_on_each_service_port(compose):
     # gRPC services are checked on their health port (--health-port), which their command opens.
-    health_ports = {"verifier": 50071, "replay": 50072, "rollout": 50073}
+    health_ports = {"verifier": 50071, "replay": 50072, "rollout": 50073, "sandbox": 50074}
     for name, port in health_ports.items():
         assert flags(compose["services"][name])["health-port"] == str(port), name
     ports = {name: f"grpc 127.0.0.1:{port}" for name, port in health_ports.items()}
@@ -99,12 +99,21 @@ def test_services_reach_each_other_by_compose_name(compose):
         "endpoints.rollout": "[rollout:50063]",
         "endpoints.verifier": "verifier:50061",
         "endpoints.replay": "replay:50062",
+        "endpoints.sandbox": "sandbox:50064",
         "endpoints.auth_token_file": TOKEN,
         "checkpoint.dir": "/checkpoints",
         "metrics_host": "0.0.0.0",
         "metrics_port": "9464",
         "metrics_linger_s": "30",
     }
+
+
+def test_only_the_sandbox_runs_without_dockers_seccomp_profile(compose):
+    """bubblewrap needs user namespaces, which Docker's default seccomp profile refuses; no other service gets that."""
+    unconfined = {name for name, service in compose["services"].items() if service.get("security_opt")}
+    assert unconfined == {"sandbox"}
+    assert "seccomp=unconfined" in compose["services"]["sandbox"]["security_opt"]
+    assert "bubblewrap" in DOCKERFILE.read_text()
 
 
 def test_the_learner_job_outlives_its_last_step_by_more_than_a_scrape_interval(compose):

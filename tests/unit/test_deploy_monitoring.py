@@ -46,9 +46,11 @@ def exported_families() -> dict[str, tuple[str, frozenset[str]]]:
     from rlep.services.learner.metrics import LearnerMetrics
     from rlep.services.replay.server import ReplayMetrics
     from rlep.services.rollout.server import RolloutMetrics
+    from rlep.services.sandbox.server import SandboxMetrics
     from rlep.services.verifier.server import VerifierMetrics
 
-    holders = [cls(CollectorRegistry()) for cls in (VerifierMetrics, ReplayMetrics, RolloutMetrics, LearnerMetrics)]
+    services = (VerifierMetrics, ReplayMetrics, RolloutMetrics, LearnerMetrics, SandboxMetrics)
+    holders = [cls(CollectorRegistry()) for cls in services]
     holders.append(EvalMetrics(CollectorRegistry(), _NoJobs()))
     families = {}
     for holder in holders:
@@ -85,7 +87,7 @@ def test_metric_families_are_found():
     # Guards the helper itself: an empty result would make every check below pass vacuously.
     families = exported_families()
     assert {"rlep_verifier_items_total", "rlep_replay_sample_seconds", "rlep_learner_step_seconds"} <= set(families)
-    assert {name.split("_")[1] for name in families} == {"verifier", "replay", "rollout", "learner", "eval"}
+    assert {name.split("_")[1] for name in families} == {"verifier", "replay", "rollout", "learner", "eval", "sandbox"}
 
 
 def test_every_dashboard_query_names_only_exported_series_and_labels():
@@ -156,6 +158,7 @@ def test_prometheus_config_scrapes_every_service_with_the_token():
         "rlep-rollout": ["rollout:9463"],
         "rlep-learner": ["learner:9464"],
         "rlep-eval": ["eval:8080"],
+        "rlep-sandbox": ["sandbox:9465"],
     }
     for job in config["scrape_configs"]:
         assert job["authorization"]["credentials_file"] == "/run/secrets/rlep_auth_token", job["job_name"]

@@ -191,6 +191,7 @@ def test_the_ports_table_is_what_code_configs_compose_and_chart_use():
     from rlep.services.learner.config import TrainConfig
     from rlep.services.replay.config import ReplayConfig
     from rlep.services.rollout.config import RolloutConfig
+    from rlep.services.sandbox.config import SandboxServiceConfig
     from rlep.services.verifier.config import VerifierConfig
 
     rows = {
@@ -201,7 +202,13 @@ def test_the_ports_table_is_what_code_configs_compose_and_chart_use():
     compose = (REPO / "docker-compose.yml").read_text()
     chart = (REPO / "deploy/helm/rlep/templates/networkpolicy.yaml").read_text()
     chart_ports = dict(re.findall(r'"(\w+)" (\d+)', re.search(r"\$metricsPorts := dict (.*) }}", chart).group(1)))
-    for service, config in {"verifier": VerifierConfig(), "replay": ReplayConfig(), "rollout": RolloutConfig()}.items():
+    services = {
+        "verifier": VerifierConfig(),
+        "replay": ReplayConfig(),
+        "rollout": RolloutConfig(),
+        "sandbox": SandboxServiceConfig(),
+    }
+    for service, config in services.items():
         grpc_port, metrics_port = rows[service][2], rows[service][3]
         assert grpc_port == str(config.server.port), service
         assert config.server.metrics_port is None, f"{service}: the page says /metrics is off unless set"

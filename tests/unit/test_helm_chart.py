@@ -376,3 +376,31 @@ def test_nccl_settings_reach_the_learner_and_the_rollout_workers_only_when_set()
         assert _env(container) | {"NCCL_SOCKET_IFNAME": "ens5", "NCCL_DEBUG": "INFO"} == _env(container)
     for container in broadcast_containers(render(CUSTOM_VALUES)):
         assert not {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} & set(_env(container))
+
+
+def test_the_tool_sandbox_is_opt_in_alone_unconfined_and_reached_by_the_learner_only(tmp_path):
+    """Issue 50: off by default; on, it serves `rlep serve sandbox` with its config, its pod alone runs without the
+    RuntimeDefault seccomp profile (bubblewrap needs user namespaces), the learner's endpoints name it, and only the
+    learner may reach its gRPC port."""
+    from rlep.services.learner.config import TrainConfig
+    from rlep.services.sandbox.config import SandboxServiceConfig
+
+    assert "rlep-sandbox" not in by_kind(render(), "Deployment")
+    docs = render({"sandbox": {"enabled": True}, "learner": LEARNER_ON})
+    deployments = by_kind(docs, "Deployment")
+    pod = deployments["rlep-sandbox"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][:3] == ["rlep", "serve", "sandbox"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "Unconfined"} and pod["securityContext"]["runAsNonRoot"]
+    others = {name: d["spec"]["template"]["spec"]["securityContext"] for name, d in deployments.items()}
+    assert all(
+        c["seccompProfile"] == {"type": "RuntimeDefault"} for name, c in others.items() if name != "rlep-sandbox"
+    )
+    files = by_kind(docs, "ConfigMap")["rlep-config"]["data"]
+    token = tmp_path / "token"
+    token.write_text("x\n")
+    config = SandboxServiceConfig.model_validate(local(files["sandbox.yaml"], token))
+    assert (config.server.port, config.server.metrics_port, config.sandbox.isolation) == (50064, 9465, "bubblewrap")
+    assert TrainConfig.model_validate(local(files["train.yaml"], token)).endpoints.sandbox == "rlep-sandbox:50064"
+    policy = by_kind(docs, "NetworkPolicy")["rlep-sandbox"]["spec"]["ingress"]
+    grpc_rule = next(rule for rule in policy if {"protocol": "TCP", "port": 50064} in rule.get("ports", []))
+    assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in grpc_rule["from"]] == ["learner"]

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from rlep.common.tiny_model import cached_model
-from rlep.common.types import Source, ToolCall, Trajectory, Verdict
+from rlep.common.types import FinishReason, Source, ToolCall, Trajectory, Verdict
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.cursor import DataCursor
 from rlep.services.learner.scored_trajectories import (
@@ -22,6 +22,7 @@ from rlep.services.learner.scored_trajectories import (
 from rlep.services.learner.step_inputs import ServiceClients, StepInputs, StepTimer
 from rlep.services.learner.tokens import EncodedPrompt, PolicyTokenizer
 from rlep.services.learner.tool_rollouts import chat_template_hash, tool_env_hash
+from rlep.services.rollout.types import SampleOut
 from tests.unit.test_step_inputs import SMALL, BoxedVerifier, ToolRollout, questions
 
 PROMPT = EncodedPrompt((11, 12, 13))
@@ -167,3 +168,47 @@ def test_a_step_with_tools_replays_a_trace_whole_and_verifies_its_policy_tokens_
     assert verifier.texts[-2:] == ["<code>print(6*7)</code>\\boxed{41}", "\\boxed{42}"]
     assert trace_row.verdict == Verdict.WRONG and single_row.verdict == Verdict.CORRECT
     assert report.record()["replay_traces"] == 1 and report.used == 2 and report.failed_verification == 1
+
+
+def test_phase_1_with_tools_stores_whole_traces_and_leaves_void_ones_out(long_tokenizer):
+    """`collect` with the run's tools: each success is stored as its trace (ids, mask, calls, the environment's
+    hashes the learner checks); an episode ending in a void turn is not stored."""
+    from rlep.services.learner.collect import CollectConfig, collect, run_settings
+    from rlep.services.learner.tool_rollouts import ToolUseConfig
+    from rlep.services.sandbox.types import ToolResult
+    from tests.unit.test_collect import Replay
+    from tests.unit.test_step_inputs import ReadingVerifier, VoidRollout
+
+    tools = ToolUseConfig.model_validate({"loop": {"max_output_tokens": 64}})
+    run_code = lambda code, caller: ToolResult("ok", 0, None, "42\n", "", False, 0.01, "bubblewrap")  # noqa: E731
+    replay = Replay()
+
+    class Rollout(VoidRollout):
+        """The closed-unopened episode writes a right answer first: verified CORRECT, and still void."""
+
+        def generate(self, prompts, sampling):
+            out = super().generate(prompts, sampling)
+            if sampling.n > 1:
+                text = "\\boxed{42} print(6*7)</code>"
+                ids = self.hf.encode(text, add_special_tokens=False)
+                for completion in out:
+                    completion.samples[1] = SampleOut(ids, text, [-0.1] * len(ids), FinishReason.STOP, 1)
+            return out
+
+        def max_model_len(self) -> int:
+            return 512
+
+    services = ServiceClients(Rollout(long_tokenizer), ReadingVerifier(), replay, run_code=run_code)
+    config = CollectConfig(samples_per_question=3, min_successes=1, max_response_tokens=64)
+    stats = collect(services, questions(2), "p", config, show_progress=False, tokenizer=long_tokenizer, tools=tools)
+    assert (stats.questions_kept, stats.samples, stats.successes_stored) == (2, 6, 2)
+    for t in replay.added:  # each question's answered episode; the closed-unopened (right) and unanswered are void
+        assert t.verdict == Verdict.CORRECT and t.source == Source.REPLAY
+        assert 0 in t.response_mask and [c.code for c in t.tool_calls] == ["print(6*7)"]
+        assert (t.chat_template_hash, t.tool_env_hash) == (
+            chat_template_hash(long_tokenizer.tokenizer),
+            tool_env_hash(tools),
+        )
+        assert t.tokenizer_fingerprint == long_tokenizer.fingerprint
+    assert run_settings(config, questions(2), "p", tools=tools)["tools"]["loop"]["max_output_tokens"] == 64
+    assert "tools" not in run_settings(config, questions(2), "p")  # a state of a collection without tools resumes

@@ -423,3 +423,32 @@ def test_a_baseline_without_replay_reports_nothing(tokenizer, tmp_path):
     )
     trainer.start()
     assert trainer.train_step().history_status is None and trainer.services.replay.reports == []
+
+
+def test_with_tools_the_held_out_evaluation_runs_tool_episodes(tokenizer):
+    """A policy trained with the tool is evaluated with it, on its own tokens: the scripted policy answers only
+    after its call (the tool prints 42), so a single-turn evaluation would score it 0 of 4."""
+    from rlep.services.sandbox.types import ToolResult
+    from tests.unit.test_step_inputs import BoxedVerifier, ToolRollout
+
+    class Rollout(ScriptedRollout):
+        def generate(self, prompts, sampling):
+            return ToolRollout(tokenizer).generate(prompts, sampling)
+
+    calls = []
+
+    def run_code(code, caller):
+        calls.append(code)
+        return ToolResult("ok", 0, None, "42\n", "", False, 0.01, "bubblewrap")
+
+    config = TrainConfig.model_validate(
+        {"algorithm": {"max_response_tokens": 64, "overlong_buffer_tokens": 0, "replayed_per_question": 0},
+         "eval": {"samples_per_question": 2},
+         "tools": {"loop": {"max_output_tokens": 64}}}
+    )  # fmt: skip
+    verifier = BoxedVerifier()
+    services = ServiceClients(rollout=Rollout(), verifier=verifier, replay=None, run_code=run_code)
+    model = Path(tokenizer.tokenizer.name_or_path)
+    trainer = Trainer(config, model, QUESTIONS, MemoryPolicy(), services, tokenizer, eval_questions=QUESTIONS[:2])
+    assert trainer.evaluate() == (1.0, [2, 2])
+    assert calls == ["print(6*7)"] * 4 and set(verifier.texts) == {"<code>print(6*7)</code>\\boxed{42}"}

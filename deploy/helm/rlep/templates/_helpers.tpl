@@ -79,6 +79,10 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "rlep.fullname" . }}-verifier:50061
 {{- end -}}
 
+{{- define "rlep.sandboxAddress" -}}
+{{ include "rlep.fullname" . }}-sandbox:50064
+{{- end -}}
+
 {{- define "rlep.replayAddress" -}}
 {{ include "rlep.fullname" . }}-replay:50062
 {{- end -}}
@@ -269,6 +273,7 @@ data volume's mount; checkpoints go to /checkpoints/<run_id> on the checkpoint v
 {{- end }}
 {{- $runId := $l.config.run_id | default "rlep" }}
 {{- $endpoints := dict "verifier" (include "rlep.verifierAddress" .) "replay" (include "rlep.replayAddress" .) "auth_token_file" $token }}
+{{- if .Values.sandbox.enabled }}{{- $_ := set $endpoints "sandbox" (include "rlep.sandboxAddress" .) }}{{- end }}
 {{- if $l.rolloutEndpoints }}{{- $_ := set $endpoints "rollout" $l.rolloutEndpoints }}
 {{- else }}{{- $_ := set $endpoints "rollout_service" (include "rlep.rolloutService" .) }}{{- end }}
 {{- $deepspeed := dict "num_processes" (int $l.processes) }}

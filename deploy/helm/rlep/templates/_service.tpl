@@ -2,7 +2,8 @@
 A service Deployment + Service pair (verifier, replay, eval share it). Argument:
   (dict "root" $ "name" "verifier" "values" .Values.verifier "grpcPort" 50061 "metricsPort" 9461
         "healthPort" 50071 "httpPort" 0 "env" list "extraVolumes" list "extraMounts" list "initContainers" list
-        "configPath" "/etc/rlep/config/verifier.yaml")
+        "configPath" "/etc/rlep/config/verifier.yaml" "podSecurityContext" dict)
+podSecurityContext: the pod's own, instead of the chart's (the sandbox's: Unconfined seccomp for bubblewrap).
 grpcPort > 0: gRPC probes, on healthPort (the config's server.health_port: plaintext, answered apart from the
 data port's calls); httpPort > 0: HTTP probes on /healthz and /metrics on that port.
 */}}
@@ -31,7 +32,7 @@ spec:
         checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
     spec:
       securityContext:
-        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+        {{- toYaml (.podSecurityContext | default $root.Values.podSecurityContext) | nindent 8 }}
       {{- include "rlep.podPlacement" (dict "root" $root "component" .values) | nindent 6 }}
       {{- with .initContainers }}
       initContainers:
