@@ -53,8 +53,9 @@ def gpu_ids(service: dict) -> list[str]:
 
 
 def unordered(key: str, value):
-    """Compose merges some lists as sets (a service's secrets come back reordered): compare those as sets."""
-    return sorted(map(repr, value)) if key in ("secrets", "volumes", "ports") and value else value
+    """Compose merges some lists as sets (a service's secrets and security options come back reordered): compare
+    those as sets."""
+    return sorted(map(repr, value)) if key in ("secrets", "volumes", "ports", "security_opt") and value else value
 
 
 def docker_bytes(size: str) -> int:

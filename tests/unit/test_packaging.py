@@ -83,7 +83,7 @@ print(json.dumps({
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["replay_client"].startswith(str(unpacked))
     assert Path(found["config_dir"]) == unpacked / "rlep" / "configs"
-    assert len(found["protos"]) == 4 and found["stale"] == []
+    assert len(found["protos"]) == 5 and found["stale"] == []  # common, replay, rollout, sandbox, verifier
     assert {"aime24.jsonl", "math500.jsonl", "gsm8k.jsonl"} <= set(found["datasets"])
 
 
