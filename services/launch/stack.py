@@ -28,6 +28,7 @@ from rlep.common.ports import free_port
 from rlep.services.learner.config import TrainConfig
 from rlep.services.learner.ray_policy import check_gpus_fit, rollout_gpus
 from rlep.services.learner.step_inputs import ServiceClients
+from rlep.services.sandbox.config import SandboxConfig
 from rlep.services.sandbox.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,20 @@ class ServiceActor:
 
     def stop(self) -> None:
         self._running.stop()
+
+
+def check_same_sandbox(mine: SandboxConfig, service: dict, address: str) -> None:
+    """A run's traces carry a hash of its own `tools.sandbox` settings (`tool_env_hash`): a sandbox service whose
+    outputs depend on other settings would make every stored trace lie about where its outputs came from."""
+    ours = mine.environment()
+    differ = sorted(k for k in ours.keys() | service.keys() if ours.get(k) != service.get(k))
+    if differ:
+        details = "; ".join(f"{k}: this run {ours.get(k)!r}, the service {service.get(k)!r}" for k in differ)
+        raise UserError(
+            f"the sandbox service at {address} runs tool code under other settings than this run's tools.sandbox "
+            f"({details}): set tools.sandbox to the service's, so the traces' tool_env_hash says where their outputs "
+            "came from"
+        )
 
 
 class ServiceStack:
@@ -118,6 +133,7 @@ class ServiceStack:
         run_code = None
         if self.config.tools is not None and endpoints.sandbox:  # a sandbox service: tool code runs there
             sandbox = SandboxClient(endpoints.sandbox, token=self.token, outage_s=endpoints.service_outage_s)
+            check_same_sandbox(self.config.tools.sandbox, sandbox.describe(), endpoints.sandbox)
             run_code, self.addresses["sandbox"] = sandbox.run, endpoints.sandbox
         elif self.config.tools is not None:  # here, in the driver's process, under the sandbox's namespaces
             run_code = Sandbox(self.config.tools.sandbox).run

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,20 +87,11 @@ class ToolUseConfig(StrictModel):
     replay: TraceReplayConfig = TraceReplayConfig()
 
 
-# Settings that change what a call answers or how a trace is laid out; the rest (concurrency, the cache, the host
-# user) only schedule calls.
-_SCHEDULING = {"loop": {"tool_workers"}, "sandbox": {"concurrency", "per_caller", "cache_entries", "run_as_uid"}}
-
-
 def tool_env_hash(config: ToolUseConfig) -> str:
-    """Hash of what a trace's tool outputs depend on: the loop's markers and budgets, the sandbox's isolation and
-    limits, and the interpreter it runs (resolved: /usr/bin/python3 -> python3.11). A trace replayed under another
-    environment would teach calls whose outputs this one does not give."""
-    env = {
-        "loop": config.loop.model_dump(mode="json", exclude=_SCHEDULING["loop"]),
-        "sandbox": config.sandbox.model_dump(mode="json", exclude=_SCHEDULING["sandbox"] | {"python"}),
-        "python": os.path.realpath(config.sandbox.interpreter()),
-    }
+    """Hash of what a trace's tool outputs depend on: the loop's markers and budgets (not `tool_workers`, which only
+    schedules), and the sandbox's `environment()` (isolation, limits, the interpreter). A trace replayed under
+    another environment would teach calls whose outputs this one does not give."""
+    env = {"loop": config.loop.model_dump(mode="json", exclude={"tool_workers"}), **config.sandbox.environment()}
     return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -3,6 +3,8 @@ as `Sandbox.run` does, so the tool loop takes either (`ServiceClients.run_code`)
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from rlep.common.grpc_channel import make_channel
@@ -51,6 +53,11 @@ class SandboxClient:
                 raise
             return ToolResult("sandbox_failure", None, None, "", "", False, 0.0, "none", f"no slot: {err.details()}")
         return result_from_proto(reply)
+
+    def describe(self) -> dict:
+        """The service's `SandboxConfig.environment()`: what its calls' outputs depend on."""
+        reply = call_with_retry(self._stub.Describe, sandbox_pb2.DescribeRequest(), 30.0, outage_s=self._outage_s)
+        return json.loads(reply.environment_json)
 
     def close(self) -> None:
         self._channel.close()

@@ -62,6 +62,12 @@ class SandboxConfig(StrictModel):
             raise ValueError("max_output_bytes cannot exceed max_file_bytes (stdout is a file of the call)")
         return self
 
+    def environment(self) -> dict:
+        """What a call's output depends on, as JSON-able data: the isolation and limits, and the interpreter,
+        resolved (/usr/bin/python3 -> python3.11). Not the scheduling (concurrency, the cache, the host user)."""
+        scheduling = {"concurrency", "per_caller", "cache_entries", "run_as_uid", "python"}
+        return {**self.model_dump(mode="json", exclude=scheduling), "python": str(self.interpreter())}
+
     def interpreter(self) -> Path:
         """The interpreter to run, checked to exist (ValueError naming the setting otherwise)."""
         candidates = [self.python] if self.python else [Path(p) for p in DEFAULT_PYTHONS]

@@ -8,6 +8,7 @@ leaves, and a run within the sandbox's own CPU, wall-clock, memory and output li
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -68,6 +69,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
     def __init__(self, sandbox: Sandbox, config: SandboxServiceConfig, metrics: SandboxMetrics):
         self._sandbox, self._config, self._metrics = sandbox, config, metrics
         self._call_slots = threading.BoundedSemaphore(config.call_slots)
+        self._environment = config.sandbox.environment()
 
     def Run(self, request: sandbox_pb2.RunRequest, context: grpc.ServicerContext) -> sandbox_pb2.RunResponse:
         started = time.perf_counter()
@@ -83,6 +85,11 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
             self._metrics.in_flight.dec()
             self._call_slots.release()
             self._metrics.call_seconds.observe(time.perf_counter() - started)
+
+    def Describe(
+        self, request: sandbox_pb2.DescribeRequest, context: grpc.ServicerContext
+    ) -> sandbox_pb2.DescribeResponse:
+        return sandbox_pb2.DescribeResponse(environment_json=json.dumps(self._environment, sort_keys=True))
 
     def _run(self, request: sandbox_pb2.RunRequest, context: grpc.ServicerContext) -> sandbox_pb2.RunResponse:
         if not CALLER.fullmatch(request.caller):

@@ -59,6 +59,13 @@ def test_a_call_runs_in_the_sandbox_and_says_what_happened(client):
     assert again.cached and again.stdout == result.stdout
 
 
+def test_the_service_says_what_its_outputs_depend_on(client, service):
+    """What a learner checks against its own tools.sandbox before it trains (launch.stack.check_same_sandbox)."""
+    described = client.describe()
+    assert described == service.sandbox.config.environment() and described["cpu_seconds"] == 5
+    assert "concurrency" not in described and described["python"].startswith("/")
+
+
 def test_bad_requests_get_invalid_argument_and_run_nothing(client, service):
     with pytest.raises(ValueError, match="max_code_bytes"):
         client.run("x = 1\n" * 1000)  # 6,000 bytes over 4,096

@@ -212,3 +212,16 @@ def test_phase_1_with_tools_stores_whole_traces_and_leaves_void_ones_out(long_to
         assert t.tokenizer_fingerprint == long_tokenizer.fingerprint
     assert run_settings(config, questions(2), "p", tools=tools)["tools"]["loop"]["max_output_tokens"] == 64
     assert "tools" not in run_settings(config, questions(2), "p")  # a state of a collection without tools resumes
+
+
+def test_a_run_refuses_a_sandbox_service_whose_outputs_depend_on_other_settings():
+    """Its traces' tool_env_hash is computed from the run's own tools.sandbox: a service with other limits would make
+    them lie. Scheduling (concurrency, the cache) changes no output and is not compared."""
+    from rlep.common.errors import UserError
+    from rlep.services.launch.stack import check_same_sandbox
+    from rlep.services.sandbox.config import SandboxConfig
+
+    mine = SandboxConfig(cpu_seconds=5)
+    check_same_sandbox(mine, SandboxConfig(cpu_seconds=5, concurrency=8, cache_entries=0).environment(), "sb:50064")
+    with pytest.raises(UserError, match="cpu_seconds: this run 5, the service 9"):
+        check_same_sandbox(mine, SandboxConfig(cpu_seconds=9).environment(), "sb:50064")

@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlep/sandbox/v1/sandbox.proto\x12\x0frlep.sandbox.v1\"*\n\nRunRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x02 \x01(\t\"\xdd\x01\n\x0bRunResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x16\n\texit_code\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06stdout\x18\x04 \x01(\t\x12\x0e\n\x06stderr\x18\x05 \x01(\t\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x12\n\nduration_s\x18\x07 \x01(\x01\x12\x11\n\tisolation\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\n \x01(\x08\x42\x0c\n\n_exit_codeB\t\n\x07_signal2K\n\x07Sandbox\x12@\n\x03Run\x12\x1b.rlep.sandbox.v1.RunRequest\x1a\x1c.rlep.sandbox.v1.RunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlep/sandbox/v1/sandbox.proto\x12\x0frlep.sandbox.v1\"\x11\n\x0f\x44\x65scribeRequest\",\n\x10\x44\x65scribeResponse\x12\x18\n\x10\x65nvironment_json\x18\x01 \x01(\t\"*\n\nRunRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x02 \x01(\t\"\xdd\x01\n\x0bRunResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x16\n\texit_code\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06stdout\x18\x04 \x01(\t\x12\x0e\n\x06stderr\x18\x05 \x01(\t\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x12\n\nduration_s\x18\x07 \x01(\x01\x12\x11\n\tisolation\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\n \x01(\x08\x42\x0c\n\n_exit_codeB\t\n\x07_signal2\x9c\x01\n\x07Sandbox\x12@\n\x03Run\x12\x1b.rlep.sandbox.v1.RunRequest\x1a\x1c.rlep.sandbox.v1.RunResponse\x12O\n\x08\x44\x65scribe\x12 .rlep.sandbox.v1.DescribeRequest\x1a!.rlep.sandbox.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlep.sandbox.v1.sandbox_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNREQUEST']._serialized_start=50
-  _globals['_RUNREQUEST']._serialized_end=92
-  _globals['_RUNRESPONSE']._serialized_start=95
-  _globals['_RUNRESPONSE']._serialized_end=316
-  _globals['_SANDBOX']._serialized_start=318
-  _globals['_SANDBOX']._serialized_end=393
+  _globals['_DESCRIBEREQUEST']._serialized_start=50
+  _globals['_DESCRIBEREQUEST']._serialized_end=67
+  _globals['_DESCRIBERESPONSE']._serialized_start=69
+  _globals['_DESCRIBERESPONSE']._serialized_end=113
+  _globals['_RUNREQUEST']._serialized_start=115
+  _globals['_RUNREQUEST']._serialized_end=157
+  _globals['_RUNRESPONSE']._serialized_start=160
+  _globals['_RUNRESPONSE']._serialized_end=381
+  _globals['_SANDBOX']._serialized_start=384
+  _globals['_SANDBOX']._serialized_end=540
 # @@protoc_insertion_point(module_scope)

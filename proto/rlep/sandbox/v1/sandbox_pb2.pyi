@@ -4,6 +4,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("environment_json",)
+    ENVIRONMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    environment_json: str
+    def __init__(self, environment_json: _Optional[str] = ...) -> None: ...
+
 class RunRequest(_message.Message):
     __slots__ = ("code", "caller")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class SandboxStub:
                 request_serializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunRequest.SerializeToString,
                 response_deserializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/rlep.sandbox.v1.Sandbox/Describe',
+                request_serializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -54,6 +59,14 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What a call's output depends on: the limits and isolation, and the interpreter. A learner checks it against its
+        own `tools.sandbox` before it trains (a trace's tool_env_hash is computed from those settings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +74,11 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunRequest.FromString,
                     response_serializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeRequest.FromString,
+                    response_serializer=rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class Sandbox:
             '/rlep.sandbox.v1.Sandbox/Run',
             rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunRequest.SerializeToString,
             rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.RunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlep.sandbox.v1.Sandbox/Describe',
+            rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeRequest.SerializeToString,
+            rlep_dot_sandbox_dot_v1_dot_sandbox__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
