@@ -82,7 +82,7 @@ class Trajectory:
     on, never in an importance ratio); empty = every response token was sampled (a single-turn answer)."""
     chat_template_hash: str = ""
     tool_env_hash: str = ""
-    """A tool trace's environment (`rlep.services.learner.tool_rollouts.trace_hashes`): the chat template that
+    """A tool trace's environment (`rlep.services.learner.tool_rollouts.trace_environment`): the chat template that
     rendered its prompt and the tool loop and sandbox that answered its calls; replay skips a trace whose hashes
     differ from the learner's."""
     tool_calls: tuple[ToolCall, ...] = ()

@@ -35,7 +35,7 @@ from rlep.services.learner.config import CollectConfig
 from rlep.services.learner.scored_trajectories import sampled_trajectories
 from rlep.services.learner.step_inputs import ServiceClients, verify_episodes
 from rlep.services.learner.tokens import PolicyTokenizer
-from rlep.services.learner.tool_rollouts import ToolUseConfig, chat_template_hash, is_void, run_episodes, tool_env_hash
+from rlep.services.learner.tool_rollouts import ToolUseConfig, is_void, run_episodes, trace_environment
 from rlep.services.learner.tracking import StepSink
 from rlep.services.rollout.types import Sampling
 from rlep.services.verifier.client import verify_groups
@@ -255,7 +255,7 @@ def _sampled_traces(
     hf = tokenizer.tokenizer
     episodes = run_episodes(prompts, sampling, services.rollout.generate, services.run_code, hf, tools.loop)
     texts, verified = verify_episodes(services.verifier, chunk, episodes, hf)
-    env = {"chat_template_hash": chat_template_hash(hf), "tool_env_hash": tool_env_hash(tools)}
+    env = trace_environment(hf, tools)
     return [
         [
             episode.to_trajectory(

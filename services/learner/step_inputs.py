@@ -42,10 +42,9 @@ from rlep.services.learner.tool_rollouts import (
     RunCode,
     ToolEpisode,
     ToolFigures,
-    chat_template_hash,
     is_void,
     run_episodes,
-    tool_env_hash,
+    trace_environment,
 )
 from rlep.services.replay.types import PoolNotFound
 from rlep.services.rollout.types import Sampling
@@ -136,12 +135,12 @@ class StepInputs:
     ):
         self.config, self.questions, self.cursor = config, questions, cursor
         self.services, self.tokenizer = services, tokenizer
-        self.trace_env = ("", "")
-        """(chat template hash, tool environment hash) of the traces this learner writes and replays."""
+        self.trace_env: dict[str, str] = {}
+        """`trace_environment`: the hashes of the traces this learner writes and replays (empty without tools)."""
         if config.tools is not None:
             if services.run_code is None:
                 raise ValueError("tools are on but no sandbox was given (ServiceClients.run_code)")
-            self.trace_env = (chat_template_hash(tokenizer.tokenizer), tool_env_hash(config.tools))
+            self.trace_env = trace_environment(tokenizer.tokenizer, config.tools)
 
     def gather(self, step: int, timer: StepTimer) -> Gathered:
         """B questions with their scored fresh groups; with dynamic sampling, only groups whose rewards vary.
@@ -261,7 +260,7 @@ class StepInputs:
                     trajectories.append(episode.to_trajectory(
                         question.question_id, text, reward, verdict=o.verdict, run_id=self.config.run_id,
                         created_at_ms=now_ms, tokenizer_fingerprint=self.tokenizer.fingerprint, excluded_from_loss=void,
-                        chat_template_hash=self.trace_env[0], tool_env_hash=self.trace_env[1],
+                        **self.trace_env,
                     ))  # fmt: skip
                 fresh.append(trajectories)
         return fresh, figures
@@ -338,8 +337,8 @@ class StepInputs:
         tools = self.config.tools
         if tools is None:
             return None  # stored traces are dropped: this run would train on their tool outputs
-        chat, env = self.trace_env
-        return TraceRules(chat, env, self.config.run_id, policy_version, tools.replay.max_staleness)
+        return TraceRules(**self.trace_env, run_id=self.config.run_id, policy_version=policy_version,
+                          max_staleness=tools.replay.max_staleness)  # fmt: skip
 
     def _policy_text(self, t: Trajectory) -> str:
         """What a row's answer is read from: a tool trace's policy tokens (a tool output is not its answer)."""

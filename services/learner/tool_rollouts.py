@@ -102,6 +102,12 @@ def chat_template_hash(tokenizer: Any) -> str:
     return hashlib.sha256(str(template).encode()).hexdigest()[:32]
 
 
+def trace_environment(tokenizer: Any, config: ToolUseConfig) -> dict[str, str]:
+    """The hashes a trace carries and replay checks (`Trajectory.chat_template_hash`, `tool_env_hash`), for the
+    policy's tokenizer and a run's tools: the learner's fresh episodes and phase 1's collected ones alike."""
+    return {"chat_template_hash": chat_template_hash(tokenizer), "tool_env_hash": tool_env_hash(config)}
+
+
 def is_void(episode: ToolEpisode, verdict: Verdict) -> bool:
     """Whether an episode ends in a void turn, SimpleTIR's "neither a complete code block nor a final answer": it
     closed a call it never opened (`void`), or ended a turn without a call and without an answer the verifier could

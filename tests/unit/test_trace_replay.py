@@ -157,7 +157,7 @@ def test_a_step_with_tools_replays_a_trace_whole_and_verifies_its_policy_tokens_
     pool = TracePool({"q0": [stored, single]})
     services = ServiceClients(ToolRollout(tokenizer), verifier, pool, run_code=run_code)
     step = StepInputs(config, questions(1), DataCursor(1, seed=0, shuffle=False), services, tokenizer)
-    assert step.trace_env == (stored.chat_template_hash, stored.tool_env_hash)
+    assert step.trace_env == {"chat_template_hash": stored.chat_template_hash, "tool_env_hash": stored.tool_env_hash}
     gathered = step.gather(0, StepTimer())
     report = ReplayReport()
     replayed = step.replayed(0, gathered, report, StepTimer(), policy_version=3)
