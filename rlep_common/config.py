@@ -108,6 +108,18 @@ class ServerConfig(TlsFiles):
     def stream_slots(self) -> int:
         return self.max_streams_per_method or max(1, self.grpc_threads // 4)
 
+    def call_slots(self, max_calls_in_flight: int | None) -> int:
+        """Unary calls a service holds at once, each waiting on a gRPC thread (the verifier's and the sandbox's
+        `max_calls_in_flight`): that setting, or `grpc_threads` - 2 when None. ValueError when it leaves the health
+        check no thread."""
+        slots = max_calls_in_flight or max(1, self.grpc_threads - 2)
+        if slots >= self.grpc_threads:
+            raise ValueError(
+                f"max_calls_in_flight ({slots}) must stay below server.grpc_threads "
+                f"({self.grpc_threads}): the health check needs a thread"
+            )
+        return slots
+
     @model_validator(mode="after")
     def _streams_leave_threads(self) -> ServerConfig:
         if self.stream_slots >= self.grpc_threads:

@@ -158,15 +158,11 @@ class VerifierConfig(ScorerSettings):
 
     @property
     def call_slots(self) -> int:
-        return self.max_calls_in_flight or max(1, self.server.grpc_threads - 2)
+        return self.server.call_slots(self.max_calls_in_flight)
 
     @model_validator(mode="after")
     def _calls_leave_threads(self) -> VerifierConfig:
-        if self.call_slots >= self.server.grpc_threads:
-            raise ValueError(
-                f"max_calls_in_flight ({self.call_slots}) must stay below server.grpc_threads "
-                f"({self.server.grpc_threads}): the health check needs a thread"
-            )
+        self.server.call_slots(self.max_calls_in_flight)  # ValueError when no thread is left for health checks
         return self
 
     @model_validator(mode="after")

@@ -176,3 +176,20 @@ def test_tools_take_replay_and_survive_the_actors_dump():
         TrainConfig.model_validate({"tools": {"replay": {"max_token_fraction": 0}}})
     # What the learner's actors receive: the config dumped and read again.
     assert TrainConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+@pytest.mark.parametrize("service", ["verifier", "sandbox"])
+def test_unary_call_slots_leave_the_health_check_a_thread(service):
+    """The verifier's and the sandbox's `max_calls_in_flight` share one bound (`ServerConfig.call_slots`)."""
+    from rlep.common.config import ServerConfig
+    from rlep.services.sandbox.config import SandboxServiceConfig
+    from rlep.services.verifier.config import VerifierConfig
+
+    config_class = VerifierConfig if service == "verifier" else SandboxServiceConfig
+    server = ServerConfig(grpc_threads=6)
+    assert (
+        config_class(server=server).call_slots == 4
+        and config_class(server=server, max_calls_in_flight=5).call_slots == 5
+    )
+    with pytest.raises(ValueError, match=r"max_calls_in_flight \(6\) must stay below server.grpc_threads \(6\)"):
+        config_class(server=server, max_calls_in_flight=6)
