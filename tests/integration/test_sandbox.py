@@ -25,7 +25,11 @@ pytestmark = [
 ]
 
 # The wall-clock bound is generous: on 2 cores busy with other tests, 1 s of CPU took over 5 s of wall time.
-LIMITS = {"cpu_seconds": 1, "wall_seconds": 20.0, "memory_mb": 256, "max_processes": 8, "cache_entries": 0}
+# Host users of their own (61000+): under xdist another worker runs sandbox calls as the default 60000+ at the same
+# time (test_sandbox_service, test_tool_rollouts), and both the leftover-process scan below and RLIMIT_NPROC count
+# per user: sharing them, this file saw the other file's 4 s sleeps as its own leftovers (CI, 2026-11-29).
+LIMITS = {"cpu_seconds": 1, "wall_seconds": 20.0, "memory_mb": 256, "max_processes": 8, "cache_entries": 0,
+          "run_as_uid": 61000}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
