@@ -19,6 +19,7 @@ costs one Generate call for all the episodes that go on (one per distinct token 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -50,6 +51,17 @@ class ToolLoopConfig(StrictModel):
     """Tokens of one tool output, its markers included; a longer output is cut and ends with `truncated_mark`."""
     call_open: str = Field("<code>", min_length=1)
     call_close: str = Field("</code>", min_length=1)
+    call_format: Literal["code", "json"] = "code"
+    """What the policy writes between the call markers. `code`: the Python to run. `json`: a function call as chat
+    models are taught to write one (Hermes, Qwen2.5, SmolLM2: `{"name": "python", "arguments": {"code": "..."}}`,
+    or a list holding one); a call that does not parse, names another tool or holds no code is answered with an
+    error the policy reads (status `refused`), never run. Use it with `call_open: "<tool_call>"`,
+    `call_close: "</tool_call>"` and `output_markers: chat_template`."""
+    output_markers: Literal["text", "chat_template"] = "text"
+    """`text`: the tool's output sits between `output_open` and `output_close`. `chat_template`: between what the
+    policy's chat template renders around a `tool` message (`template_markers`: for ChatML, the assistant turn's end
+    and `<|im_start|>tool\n`, then the tool turn's end and the next assistant header), its special tokens tokenised
+    as the special ids the template means; `output_open`/`output_close` are not used."""
     output_open: str = "<output>\n"
     output_close: str = "\n</output>\n"
     truncated_mark: str = "\n[output truncated]"
@@ -262,7 +274,7 @@ def run_episodes(
                 (e, c) for e, sample in turns if (c := _take_turn(e, sample, budget, tokenizer, config)) is not None
             ]
             callers = [f"episode-{i}" for i in range(len(calls))]
-            results = list(pool.map(_answered(run_code), [code for _, code in calls], callers))
+            results = list(pool.map(_answered(run_code, config), [code for _, code in calls], callers))
             for (episode, code), result in zip(calls, results, strict=True):
                 _append_output(episode, code, result, budget, tokenizer, markers)
             going = [e for e, _ in calls if e.finish is None]
@@ -280,13 +292,14 @@ def run_episodes(
     return episodes
 
 
-def _answered(run_code: RunCode) -> RunCode:
-    """`run_code` that answers code the sandbox refuses (too large, a NUL: a policy can write either) with a
-    `refused` result the policy reads, instead of raising out of every episode of the call."""
+def _answered(run_code: RunCode, config: ToolLoopConfig) -> RunCode:
+    """`run_code` of a call as written (`read_call`) that answers a call that does not parse, or code the sandbox
+    refuses (too large, a NUL: a policy can write either), with a `refused` result the policy reads, instead of
+    raising out of every episode of the call."""
 
-    def run(code: str, caller: str) -> ToolResult:
+    def run(call: str, caller: str) -> ToolResult:
         try:
-            return run_code(code, caller)
+            return run_code(read_call(call, config), caller)
         except ValueError as err:
             return ToolResult("refused", None, None, "", "", False, 0.0, "none", str(err))
 
@@ -325,12 +338,63 @@ def as_text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
+# Stand-ins for a call and an output, rendered through a chat template to find what it writes around a tool message.
+_CALL, _OUTPUT = "rlep-call-7f3a", "rlep-output-7f3a"
+
+
+def template_markers(tokenizer: Any) -> tuple[str, str]:
+    """What the tokenizer's chat template writes between an assistant turn that called a tool and the tool's output,
+    and between the output and the next assistant turn (its generation prompt included): the output markers of
+    `output_markers: chat_template`. ValueError for a template that renders no `tool` message."""
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": _CALL},
+        {"role": "tool", "content": _OUTPUT},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # jinja's own errors (a template that raises on a role it does not know)
+        raise ValueError(f"the chat template cannot render a tool message: {err}") from None
+    call, output = text.find(_CALL), text.find(_OUTPUT)
+    if call < 0 or output < call:
+        raise ValueError("the chat template renders no tool message after an assistant turn")
+    return text[call + len(_CALL) : output], text[output + len(_OUTPUT) :]
+
+
+def read_call(text: str, config: ToolLoopConfig) -> str:
+    """The code of a call as written between the markers (`call_format`); ValueError, answered to the policy, for a
+    `json` call that is not one call of the `python` tool with a string `code` argument."""
+    if config.call_format == "code":
+        return text
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the tool call is not JSON: {err.msg} at {err.pos}") from None
+    if isinstance(call, list) and len(call) == 1:
+        call = call[0]
+    arguments = call.get("arguments") if isinstance(call, dict) else None
+    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(call, dict) or call.get("name") != "python":
+        raise ValueError('the tool call must be {"name": "python", "arguments": {"code": "..."}}')
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
+        raise ValueError('the python tool takes one argument, "code", a string')
+    return arguments["code"]
+
+
 class _MarkerIds:
-    """The output markers' token ids, tokenised once; refuses a `max_output_tokens` they leave no room in."""
+    """The output markers' token ids, tokenised once; refuses a `max_output_tokens` they leave no room in. Text
+    markers are plain text; a chat template's are tokenised as the template's own text is, special tokens and all."""
 
     def __init__(self, tokenizer: Tokenizer, config: ToolLoopConfig):
-        self.open = as_text_ids(tokenizer, config.output_open)
-        self.close = as_text_ids(tokenizer, config.output_close)
+        if config.output_markers == "chat_template":
+            opened, closed = template_markers(tokenizer)
+            self.open = tokenizer.encode(opened, add_special_tokens=False)
+            self.close = tokenizer.encode(closed, add_special_tokens=False)
+        else:
+            self.open = as_text_ids(tokenizer, config.output_open)
+            self.close = as_text_ids(tokenizer, config.output_close)
         self.truncated = as_text_ids(tokenizer, config.truncated_mark)
         self.room = config.max_output_tokens - len(self.open) - len(self.close) - len(self.truncated)
         if self.room < 1:

@@ -279,3 +279,108 @@ def test_a_tool_trace_travels_whole_through_the_replay_contract():
     assert dataclasses.replace(back, **nan_free) == dataclasses.replace(trace, **nan_free)
     assert [math.isnan(lp) for lp in back.behavior_logprobs] == [m == 0 for m in trace.response_mask]
     assert 0 in back.response_mask and back.tool_calls[1].exit_code is None and back.tool_calls[0].exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("written", "code"),
+    [
+        ('{"name": "python", "arguments": {"code": "print(1)"}}', "print(1)"),
+        ('[{"name": "python", "arguments": {"code": "x = 2"}}]', "x = 2"),  # SmolLM2 writes a list of calls
+        ('{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}', "1"),  # arguments as a JSON string
+    ],
+)
+def test_a_json_call_gives_its_code(written, code):
+    from rlep.services.learner.tool_rollouts import read_call
+
+    assert read_call(written, ToolLoopConfig(call_format="json")) == code
+    assert read_call(written, ToolLoopConfig()) == written  # `code`: the text is the code
+
+
+@pytest.mark.parametrize(
+    ("written", "reason"),
+    [
+        ("print(1)", "not JSON"),
+        ('{"name": "shell", "arguments": {"code": "ls"}}', '"name": "python"'),
+        ('[{"name": "python", "arguments": {"code": "1"}}, {"name": "python", "arguments": {"code": "2"}}]', "python"),
+        ('{"name": "python", "arguments": {"source": "1"}}', '"code", a string'),
+        ('{"name": "python", "arguments": {"code": 7}}', '"code", a string'),
+        ("[]", '"name": "python"'),
+    ],
+)
+def test_a_json_call_that_is_not_one_python_call_is_answered_and_never_run(written, reason):
+    from rlep.services.learner.tool_rollouts import read_call
+
+    with pytest.raises(ValueError, match=reason):
+        read_call(written, ToolLoopConfig(call_format="json"))
+    run_code, calls = ran()
+    loop = {"call_open": "<tool_call>", "call_close": "</tool_call>", "call_format": "json"}
+    [episode], _ = episodes([f"<tool_call>{written}</tool_call>", "\\boxed{1}"], run_code, budget=600, **loop)
+    assert calls == [] and [c.status for c in episode.calls] == ["refused"] and episode.finish == "answer"
+    assert reason.split()[0] in CHARS.decode(episode.segments[1].token_ids)  # the policy reads why
+
+
+@pytest.fixture(scope="module")
+def chatml_tokenizer():
+    """The tiny tokenizer with ChatML's special tokens and template: what SmolLM2's and Qwen2.5's templates write."""
+    from transformers import AutoTokenizer
+
+    from rlep.common.tiny_model import cached_model
+
+    tokenizer = AutoTokenizer.from_pretrained(cached_model("tiny"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer
+
+
+def test_chat_template_markers_are_the_templates_own_tokens(chatml_tokenizer):
+    """The tool's output sits in a `tool` turn exactly as the template renders one, its special tokens as their
+    special ids; what the tool prints stays text even when it spells one."""
+    from rlep.services.learner.tool_rollouts import template_markers
+
+    tokenizer = chatml_tokenizer
+    end, start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    assert template_markers(tokenizer) == ("<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    turns = iter([tokenizer.encode(call), tokenizer.encode("\\boxed{1}") + [end]])
+
+    def generate(prompts, sampling):
+        ids = next(turns)
+        return [Completion(list(p), [SampleOut(ids, "", [-1.0] * len(ids), FinishReason.STOP, 0)]) for p in prompts]
+
+    run_code, calls = ran(stdout="1<|im_end|>\n")
+    loop = ToolLoopConfig(call_open="<tool_call>", call_close="</tool_call>", call_format="json",
+                          output_markers="chat_template")  # fmt: skip
+    asked = [{"role": "user", "content": "1?"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False))
+    [[episode]] = run_episodes([prompt], Sampling(max_tokens=200), generate, run_code, tokenizer, loop)
+    assert calls == [("print(1)", "episode-0")] and episode.finish == "answer"
+    tool = list(episode.segments[1].token_ids)
+    assert tool[0] == end and tool[2] == start
+    assert tool.count(end) == 2 and tool.count(start) == 2  # the markers' specials; the printed one stays text
+    # The whole episode is what the template renders for the conversation: a trainer that renders it sees these ids.
+    conversation = [
+        {"role": "user", "content": "1?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>',
+        },
+        {"role": "tool", "content": "1<|im_end|>\n"},
+    ]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(prompt + episode.response_token_ids) == rendered + "\\boxed{1}<|im_end|>"
+
+
+def test_a_template_without_a_tool_turn_is_refused():
+    from rlep.services.learner.tool_rollouts import template_markers
+
+    class NoTools:
+        def apply_chat_template(self, messages, **kwargs):
+            if any(m["role"] == "tool" for m in messages):
+                raise RuntimeError("Conversation roles must alternate user/assistant")
+            return ""
+
+    with pytest.raises(ValueError, match="cannot render a tool message: Conversation roles"):
+        template_markers(NoTools())
