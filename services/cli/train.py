@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -357,31 +358,48 @@ def collect(
     Console().print(table)
 
 
+class DemoTask(StrEnum):
+    sums = "sums"
+    tools = "tools"
+
+
 def demo(
+    task: Annotated[
+        DemoTask,
+        typer.Option(
+            help="sums: RLEP against the baseline (configs/demo.yaml); tools: the tool demo, three runs "
+            "(configs/demo-tools.yaml)."
+        ),
+    ] = DemoTask.sums,
     seed: Annotated[int | None, typer.Option(help="Seed of every phase (config: seed).")] = None,
     out_dir: Annotated[Path | None, typer.Option(help="Output folder (config: out_dir).")] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", "-c", help="Demo settings YAML, read over configs/demo.yaml.", exists=True),
+        typer.Option("--config", "-c", help="Demo settings YAML, read over the task's.", exists=True),
     ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override any setting: --set steps=20")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and exit.")] = False,
 ) -> None:
     """The main job on the embedded default: warm-up, baseline RL, collection, RLEP, and the comparison."""
     from rlep.common.config import dump_config_json
-    from rlep.services.demo.runner import DemoConfig, load_demo_config
 
+    if task is DemoTask.tools:
+        from rlep.services.demo.tool_runner import ToolDemoConfig as Config
+        from rlep.services.demo.tool_runner import load_tool_demo_config as load
+        from rlep.services.demo.tool_runner import run_tool_demo as run
+    else:
+        from rlep.services.demo.runner import DemoConfig as Config
+        from rlep.services.demo.runner import load_demo_config as load
+        from rlep.services.demo.runner import run_demo as run
     try:
-        resolved = load_demo_config(config, set_, {"seed": seed, "out_dir": out_dir})
+        resolved = load(config, set_, {"seed": seed, "out_dir": out_dir})
     except ValueError as err:
-        raise config_error(err, DemoConfig) from err
+        raise config_error(err, Config) from err
     if dry_run:
         typer.echo(dump_config_json(resolved))
         return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlep.services.demo.runner import run_demo
-
-    run_demo(resolved)
+    run(resolved)
 
 
 def register(app: typer.Typer) -> None:

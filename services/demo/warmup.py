@@ -33,6 +33,8 @@ from rlep.services.demo.task import (
     problem_messages,
     solution_paths,
 )
+from rlep.services.demo.tool_task import Segments, encode_segments, tool_trace
+from rlep.services.learner.tool_rollouts import ToolLoopConfig
 
 # What save_pretrained writes itself; every other file of the source checkpoint (tokenizer, chat
 # template, model spec) is copied so the warmed-up directory is a complete checkpoint.
@@ -68,6 +70,12 @@ class WarmupConfig(StrictModel):
     eval_batch_size: int = Field(256, ge=1)
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads; None leaves torch's default (one per core)."""
+    tool_share: float = Field(0.0, ge=0, le=1)
+    """Share of examples written as a tool trace (`tool_task.tool_trace`, the tool's tokens out of the loss) instead
+    of a worked solution: the tool demo's warm-up. Its pass@1 here samples without a tool, so set
+    `eval_problems` to 0 with it and measure with tools in the RL run's first evaluation."""
+    tool_loop: ToolLoopConfig = ToolLoopConfig()
+    """The markers tool traces are written with: those of the runs that train on the warm-up model."""
 
 
 @dataclass(frozen=True)
@@ -85,21 +93,31 @@ class WarmupResult:
         return {**asdict(self), "out_dir": str(self.out_dir)}
 
 
-def encode_examples(tokenizer, problems: Sequence[Problem], completions: Sequence[str]):
+def encode_examples(
+    tokenizer, problems: Sequence[Problem], completions: Sequence[str | Segments], loop: ToolLoopConfig | None = None
+):
     """Right-padded `[N, L]` token ids and attention mask, and the `[N, L-1]` loss mask of completion tokens.
 
-    `loss_mask[i, j]` is 1 where token j+1 of row i belongs to the completion (its EOS included),
-    matching the next-token shift of the logits.
+    `loss_mask[i, j]` is 1 where token j+1 of row i belongs to the completion (its EOS included) and was written by
+    the policy, matching the next-token shift of the logits. A completion is a worked solution's text, or a tool
+    trace's segments (`tool_task.encode_segments`, with `loop`'s markers): its tool tokens get 0.
     """
     from rlep.services.learner.batch import layout_rows  # torch: imported when a batch is built
 
-    rows = []
+    rows, masks = [], []
     for problem, completion in zip(problems, completions, strict=True):
         prompt = render_prompt(tokenizer, problem)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        completion_ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
+        segments = [("policy", completion)] if isinstance(completion, str) else completion
+        completion_ids, mask = encode_segments(tokenizer, segments, loop)
         rows.append((prompt_ids, completion_ids))
-    return layout_rows(rows, tokenizer.pad_token_id)
+        masks.append((len(prompt_ids), mask))
+    tokens, attention, loss_mask = layout_rows(rows, tokenizer.pad_token_id)
+    for i, (start, mask) in enumerate(masks):
+        for k, kept in enumerate(mask):
+            if not kept:  # token k of the completion is predicted at position start + k - 1
+                loss_mask[i, start + k - 1] = 0.0
+    return tokens, attention, loss_mask
 
 
 def render_prompt(tokenizer, problem: Problem) -> str:
@@ -169,15 +187,22 @@ def pass_at_1(model, tokenizer, problems: Sequence[Problem], max_new_tokens: int
     return sum(is_correct(t, p) for t, p in zip(texts, problems, strict=True)) / len(problems)
 
 
-def training_batch(step: int, seed: int, config: WarmupConfig) -> tuple[list[Problem], list[str]]:
-    """The problems of one step and a random valid solution of each; deterministic in (seed, step)."""
+def training_batch(step: int, seed: int, config: WarmupConfig) -> tuple[list[Problem], list[str | Segments]]:
+    """The problems of one step and a random valid solution of each, a `tool_share` of them tool traces;
+    deterministic in (seed, step). Without tool traces the draws are the ones this function always made."""
     import random
 
     problems = make_problems(
         config.batch_size, seed=seed * 1_000_003 + step, split="train", terms=config.terms, max_value=config.max_value
     )
     rng = random.Random(f"warmup-paths:{seed}:{step}")
-    return problems, [rng.choice(solution_paths(p)) for p in problems]
+    completions: list[str | Segments] = [rng.choice(solution_paths(p)) for p in problems]
+    if config.tool_share > 0:
+        tools = random.Random(f"warmup-tools:{seed}:{step}")
+        for i, problem in enumerate(problems):
+            if tools.random() < config.tool_share:
+                completions[i] = tool_trace(problem, config.tool_loop)
+    return problems, completions
 
 
 def save_checkpoint(model, source_dir: Path, out_dir: Path) -> None:
@@ -217,7 +242,9 @@ def train_steps(
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("warm-up", total=steps, info="")
         for step in range(steps):
-            tokens, attention, loss_mask = encode_examples(tokenizer, *training_batch(step, seed, config))
+            tokens, attention, loss_mask = encode_examples(
+                tokenizer, *training_batch(step, seed, config), loop=config.tool_loop
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, steps, config)
             loss = completion_loss(model, tokens, attention, loss_mask)

@@ -21,7 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # Config files of jobs rather than services: file stem -> config class.
-JOB_CONFIGS = {"train": "rlep.services.learner.config:TrainConfig", "demo": "rlep.services.demo.runner:DemoConfig"}
+JOB_CONFIGS = {
+    "train": "rlep.services.learner.config:TrainConfig",
+    "demo": "rlep.services.demo.runner:DemoConfig",
+    "demo-tools": "rlep.services.demo.tool_runner:ToolDemoConfig",
+}
 
 
 def test_every_config_file_parses():
