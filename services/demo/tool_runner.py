@@ -104,12 +104,12 @@ def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (accuracy, calls) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm, figures in summary["arms"].items():
+    for colour, (arm, figures) in enumerate(summary["arms"].items()):  # one colour per run in both panels
         steps, values = zip(*figures["curve"], strict=True)
-        accuracy.plot(steps, values, marker="o", label=arm)
+        accuracy.plot(steps, values, marker="o", label=arm, color=f"C{colour}")
         if figures["calls_curve"]:
             steps, values = zip(*figures["calls_curve"], strict=True)
-            calls.plot(steps, values, label=arm)
+            calls.plot(steps, values, label=arm, color=f"C{colour}")
     accuracy.set_xlabel("training step")
     accuracy.set_ylabel("held-out accuracy (T=1)")
     calls.set_xlabel("training step")
