@@ -80,11 +80,12 @@ def summarize(records: dict[str, list[LogRecord]]) -> dict:
         curve = [(r.step, r.eval_accuracy) for r in runs if r.eval_accuracy is not None]
         times = [r.step_seconds for r in runs if isinstance(r, StepRecord)]
         calls = [(r.step, r.tool_calls_mean) for r in runs if getattr(r, "tool_calls_mean", None) is not None]
+        peak_step, best = peak(curve)
         arms[arm] = {
             "curve": curve,
             "start": curve[0][1],
-            "peak": peak(curve)[1],
-            "peak_step": peak(curve)[0],
+            "peak": best,
+            "peak_step": peak_step,
             "final": curve[-1][1],
             "calls_curve": calls,
             "early": tool_use(runs, first=True),

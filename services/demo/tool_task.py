@@ -8,9 +8,9 @@ the sandbox printed, and boxes it:
     <output>\\n46\\n\\n</output>\\n   the tool: its tokens are never trained (loss mask 0)
      \\boxed{46}                      the policy again, then EOS
 
-`trace_segments` writes one as the tool loop lays an episode out (`rlep.services.learner.tool_rollouts`): the
-tool's part is the loop's own output text, its markers tokenised on their own as the loop does, so a warm-up row
-holds the ids an episode of the same text holds.
+`tool_trace` writes one, and `encode_segments` lays it out as the tool loop lays out an episode
+(`rlep.services.learner.tool_rollouts`): the tool's part through the loop's own `OutputMarkers.wrap`, so a warm-up
+row holds the ids an episode of the same text holds.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from rlep.services.demo.task import Problem
-from rlep.services.learner.tool_rollouts import ToolLoopConfig, as_text_ids, tool_output_text
+from rlep.services.learner.tool_rollouts import OutputMarkers, ToolLoopConfig, tool_output_text
 from rlep.services.sandbox.types import ToolResult
 
 TOOL_TERMS = 5  # numbers per question: four additions by hand, one line of code with the tool
@@ -28,32 +28,31 @@ Segments = Sequence[tuple[Kind, str]]
 
 
 def tool_trace(problem: Problem, loop: ToolLoopConfig) -> list[tuple[Kind, str]]:
-    """The episode that calls the tool once on `problem` and boxes what it printed, as (kind, text) segments; the
-    tool segment's text is the output open marker, what the loop shows of a clean run, and the close marker."""
+    """The episode that calls the tool once on `problem` and boxes what it printed, as (kind, text) segments; a
+    tool segment's text is what the loop shows of the call (`tool_output_text` of a clean run), markers aside."""
     if loop.call_format != "code" or loop.output_markers != "text":
         raise ValueError("tool traces are written with code calls and text output markers (the tiny model's)")
     expression = problem.question.removesuffix("=?")
     printed = ToolResult("ok", 0, None, f"{problem.answer}\n", "", False, 0.0, "bubblewrap")
     return [
         ("policy", f"{loop.call_open}print({expression}){loop.call_close}"),
-        ("tool", loop.output_open + tool_output_text(printed) + loop.output_close),
+        ("tool", tool_output_text(printed)),
         ("policy", f" \\boxed{{{problem.answer}}}"),
     ]
 
 
 def encode_segments(tokenizer, segments: Segments, loop: ToolLoopConfig | None) -> tuple[list[int], list[int]]:
     """A completion's token ids (EOS appended) and its mask (1 policy, 0 tool). Policy text is tokenised as the
-    warm-up always has; a tool segment as the loop does: its open marker, body and close marker each on their own,
-    as plain text."""
+    warm-up always has; a tool segment as the loop lays out an output (`OutputMarkers.wrap`: `loop`'s markers
+    around the text, cut as the loop cuts it)."""
+    markers = OutputMarkers(tokenizer, loop) if loop is not None else None
     ids: list[int] = []
     mask: list[int] = []
     for kind, text in segments:
         if kind == "tool":
-            if loop is None or not (text.startswith(loop.output_open) and text.endswith(loop.output_close)):
-                raise ValueError("a tool segment needs the loop's output markers around it")
-            body = text[len(loop.output_open) : len(text) - len(loop.output_close)]
-            part = [*as_text_ids(tokenizer, loop.output_open), *as_text_ids(tokenizer, body)]
-            part += as_text_ids(tokenizer, loop.output_close)
+            if markers is None:
+                raise ValueError("a tool segment needs the loop's settings (its output markers)")
+            part, _ = markers.wrap(tokenizer, text)
         else:
             part = tokenizer.encode(text, add_special_tokens=False)
         ids += part

@@ -262,7 +262,7 @@ def run_episodes(
     `sampling.max_tokens` tokens, the policy's and the tool's together. The first turn is one Generate call for
     every prompt; each later turn one call per distinct budget left, with n = 1 per episode and a seed of its own
     (derived from `sampling.seed`, so a seeded call is reproducible)."""
-    markers = _MarkerIds(tokenizer, config)
+    markers = OutputMarkers(tokenizer, config)
     stop = tuple(dict.fromkeys((*sampling.stop, config.call_close)))
     budget = sampling.max_tokens
     first = generate(prompts, replace(sampling, stop=stop))
@@ -383,7 +383,7 @@ def read_call(text: str, config: ToolLoopConfig) -> str:
     return arguments["code"]
 
 
-class _MarkerIds:
+class OutputMarkers:
     """The output markers' token ids, tokenised once; refuses a `max_output_tokens` they leave no room in. Text
     markers are plain text; a chat template's are tokenised as the template's own text is, special tokens and all."""
 
@@ -403,6 +403,15 @@ class _MarkerIds:
                 f"{config.max_output_tokens - self.room} tokens with this tokenizer"
             )
 
+    def wrap(self, tokenizer: Tokenizer, text: str) -> tuple[list[int], bool]:
+        """The ids the policy reads for what a tool printed: the open marker, `text` as plain text (cut to the room
+        left, ending in `truncated_mark`), the close marker; and whether it was cut."""
+        body = as_text_ids(tokenizer, text)
+        cut = len(body) > self.room + len(self.truncated)
+        if cut:
+            body = body[: self.room] + self.truncated
+        return self.open + body + self.close, cut
+
 
 def tool_output_text(result: ToolResult) -> str:
     """What the policy reads of a call: stdout, then stderr, then why it stopped when it did not end normally."""
@@ -413,13 +422,9 @@ def tool_output_text(result: ToolResult) -> str:
 
 
 def _append_output(
-    episode: ToolEpisode, code: str, result: ToolResult, budget: int, tokenizer: Tokenizer, markers: _MarkerIds
+    episode: ToolEpisode, code: str, result: ToolResult, budget: int, tokenizer: Tokenizer, markers: OutputMarkers
 ) -> None:
-    body = as_text_ids(tokenizer, tool_output_text(result))
-    cut = len(body) > markers.room + len(markers.truncated)
-    if cut:
-        body = body[: markers.room] + markers.truncated
-    ids = markers.open + body + markers.close
+    ids, cut = markers.wrap(tokenizer, tool_output_text(result))
     left = budget - len(episode.response_token_ids)
     if len(ids) >= left:  # the budget ends inside the output: the episode ends with the cut output
         ids, episode.finish = ids[:left], "length"
